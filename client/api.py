@@ -1,0 +1,257 @@
+"""``twinstep.attach``: the one call a training script makes.
+
+The monitor runs on the training thread and does O(records) cheap work per
+step; everything else happens in the stream client's background worker.  It
+never raises into training except :class:`twinstep.Halted`, which the server
+asks for (and, in lockstep, never blocks longer than ``lockstep_timeout``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import Any, Sequence
+
+from twinstep._version import PROTOCOL_VERSION, __version__
+from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.errors import Halted
+from twinstep.transport import ClientStats, StreamClient, StreamConfig
+from twinstep.v1 import twinstep_pb2 as pb
+
+logger = logging.getLogger("twinstep")
+
+ENV_SERVER = "TWINSTEP_SERVER"
+_DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+_DEFAULT_LOCKSTEP_TIMEOUT = 300.0
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value is None or value == "":
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            logger.warning("twinstep: ignoring %s=%r (not an integer)", name, value)
+    return default
+
+
+class Monitor:
+    """A model attached to a comparison session; see :func:`attach`."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        session: str,
+        run: str,
+        baseline: bool,
+        server: str,
+        capture: CaptureConfig,
+        rank: int,
+        world_size: int,
+        lockstep: int,
+        lockstep_timeout: float,
+        stream: StreamConfig,
+    ) -> None:
+        self.session = session
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self._capture = capture
+        self._lockstep = lockstep
+        self._lockstep_timeout = lockstep_timeout
+        self._step = 0
+        self._closed = False
+        self._halt_lock = threading.Lock()
+        self._halt: tuple[int, str] | None = None  # (at_step, reason)
+        self._backend = backend_for(model)
+        self._recorder = Recorder(model, self._backend, capture)
+        hello = pb.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            session=session,
+            run=run,
+            baseline=baseline,
+            framework=self._backend.framework,
+            framework_version=self._backend.framework_version(),
+            rank=rank,
+            world_size=world_size,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            client_version=__version__,
+            capture=capture.capture,
+            max_lead=lockstep,
+        )
+        self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
+        self._client.add_manifest([], self._recorder.parameter_infos)
+        self._client.start()
+        self._recorder.set_active(self._captures(0))
+        ref = weakref.ref(self)
+        self._atexit = lambda: (m := ref()) is not None and m.close()
+        atexit.register(self._atexit)
+
+    # -- public API ------------------------------------------------------------
+
+    @property
+    def current_step(self) -> int:
+        """Index of the step in progress (the number of completed ``step()`` calls)."""
+        return self._step
+
+    @property
+    def stats(self) -> ClientStats:
+        """Counters: steps sent, drops by reason, connection state."""
+        return self._client.stats
+
+    def step(self, loss: Any = None) -> None:
+        """End the current training step: send its records and move to the next.
+
+        Call once per iteration after ``optimizer.step()`` and before the
+        gradients are cleared.  Raises :class:`Halted` when the server has
+        halted this run at this step.
+        """
+        if self._closed:
+            return
+        step = self._step
+        try:
+            if self._captures(step):
+                self._client.add_manifest(self._recorder.take_new_modules(), [])
+                self._client.submit(self._recorder.finish_step(step, loss))
+            else:
+                self._recorder.discard_step()
+        except Exception:
+            logger.warning("twinstep: could not record step %d; training continues", step, exc_info=True)
+            self._recorder.discard_step()
+        self._step = step + 1
+        self._recorder.set_active(self._captures(step + 1))
+        self._raise_if_halted(step)
+        if self._lockstep:
+            waited = self._client.wait_for_credit(step + 1, self._lockstep_timeout, lambda: self._halt is not None)
+            if not waited:
+                logger.warning(
+                    "twinstep: lockstep wait for the other runs exceeded %.0f s at step %d; continuing without lockstep",
+                    self._lockstep_timeout,
+                    step,
+                )
+                self._lockstep = 0
+            self._raise_if_halted(step)
+
+    def close(self, timeout: float = _DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+        """Flush what is queued (at most ``timeout`` seconds), detach the hooks, say goodbye."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        self._recorder.remove()
+        reason = "halted" if self._halt is not None else "finished"
+        self._client.close(reason, self._step - 1, timeout)
+        dropped = {k: v for k, v in self._client.stats.dropped.items() if v}
+        if dropped:
+            logger.warning("twinstep: run %r rank %d dropped steps: %s", self.run, self.rank, dropped)
+
+    def detach(self) -> None:
+        """Alias of :meth:`close`."""
+        self.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _captures(self, step: int) -> bool:
+        return step % self._capture.every == 0
+
+    def _on_command(self, command: pb.Command) -> None:
+        """Runs on the sender thread: remember a HALT for the training thread."""
+        if command.kind != pb.Command.HALT:
+            return
+        with self._halt_lock:
+            if self._halt is None:
+                self._halt = (command.at_step, command.reason)
+                logger.warning(
+                    "twinstep: server halts run %r%s: %s",
+                    self.run,
+                    f" at step {command.at_step}" if command.at_step >= 0 else "",
+                    command.reason,
+                )
+
+    def _raise_if_halted(self, step: int) -> None:
+        halt = self._halt
+        if halt is None:
+            return
+        at_step, reason = halt
+        if at_step >= 0 and step < at_step:
+            return
+        if at_step >= 0 and step > at_step:
+            logger.warning("twinstep: halt for step %d arrived late; halting at step %d", at_step, step)
+        self.close()
+        raise Halted(reason, step)
+
+
+def attach(
+    model: Any,
+    *,
+    session: str,
+    run: str,
+    baseline: bool = False,
+    server: str | None = None,
+    capture: str = "stats",
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    every: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
+    lockstep: int = 0,
+    lockstep_timeout: float = _DEFAULT_LOCKSTEP_TIMEOUT,
+    max_queue_steps: int = 256,
+    max_queue_bytes: int = 1 << 30,
+) -> Monitor:
+    """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
+
+    Args:
+        session: comparison session name; both trainings use the same one.
+        run: this training's name within the session (e.g. "torch", "paddle").
+        baseline: True for the reference run the others are judged against.
+        server: ``host:port``; defaults to ``$TWINSTEP_SERVER``.
+        capture: "stats" (per-tensor statistics) or "tensors" (plus lossless full tensors).
+        include, exclude: glob patterns over module names selecting what is hooked.
+        every: capture every N-th step.
+        rank, world_size: default to torchrun's RANK/WORLD_SIZE or
+            paddle.distributed.launch's PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM.
+        lockstep: if > 0, ``step()`` waits while this run leads the slowest
+            other run by this many steps (opt-in: it slows the faster training).
+        lockstep_timeout: longest single lockstep wait before giving up lockstep.
+        max_queue_steps, max_queue_bytes: bound on data held while the server is
+            behind or away; the oldest steps are dropped (and counted) beyond it.
+    """
+    target = server or os.environ.get(ENV_SERVER, "")
+    if not target:
+        raise ValueError(f"twinstep.attach needs server='host:port' or the {ENV_SERVER} environment variable")
+    if not session or not run:
+        raise ValueError("twinstep.attach needs a non-empty session and run name")
+    if lockstep < 0:
+        raise ValueError("lockstep must be >= 0")
+    resolved_rank = rank if rank is not None else _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
+    resolved_world = world_size if world_size is not None else _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
+    if not 0 <= resolved_rank < resolved_world:
+        raise ValueError(f"rank {resolved_rank} is outside world size {resolved_world}")
+    return Monitor(
+        model,
+        session=session,
+        run=run,
+        baseline=baseline,
+        server=target,
+        capture=CaptureConfig(capture=capture, include=tuple(include), exclude=tuple(exclude), every=every),
+        rank=resolved_rank,
+        world_size=resolved_world,
+        lockstep=lockstep,
+        lockstep_timeout=lockstep_timeout,
+        stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes),
+    )

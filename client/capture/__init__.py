@@ -1,0 +1,41 @@
+"""Capture: hooks inside the training process that turn tensors into records.
+
+Framework backends live in ``capture/torch`` and ``capture/paddle``; they are
+imported only when a model of that framework is attached, so a torch job never
+imports paddle and vice versa.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from twinstep.capture.base import CaptureBackend
+from twinstep.capture.recorder import CaptureConfig, Recorder, StepBatch
+
+__all__ = ["CaptureBackend", "CaptureConfig", "Recorder", "StepBatch", "backend_for", "FRAMEWORKS"]
+
+#: Frameworks with a capture backend.
+FRAMEWORKS = frozenset({"torch", "paddle"})
+
+
+def backend_for(model: Any) -> CaptureBackend:
+    """The backend for a model, decided by its class without importing other frameworks."""
+    if "torch" in sys.modules:
+        import torch
+
+        if isinstance(model, torch.nn.Module):
+            from twinstep.capture.torch import TorchBackend
+
+            return TorchBackend()
+    if "paddle" in sys.modules:
+        import paddle
+
+        if isinstance(model, paddle.nn.Layer):
+            from twinstep.capture.paddle import PaddleBackend
+
+            return PaddleBackend()
+    raise TypeError(
+        f"twinstep cannot attach to {type(model).__module__}.{type(model).__name__}: "
+        f"expected a torch.nn.Module or a paddle.nn.Layer (supported: {sorted(FRAMEWORKS)})"
+    )

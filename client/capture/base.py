@@ -1,0 +1,89 @@
+"""The contract a framework backend fulfils so the recorder can stay framework-neutral.
+
+A backend touches framework objects only; it never imports grpc and never
+sends anything.  Methods marked *hot* run on the training thread for every
+captured tensor: they must be cheap, must not synchronise the device, and must
+not keep references to the tensors they are given beyond what they return.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+Tensor = Any
+Module = Any
+
+
+class RemovableHandle:
+    """Detaches one hook when removed; removing twice is harmless."""
+
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self._remove: Callable[[], None] | None = remove
+
+    def remove(self) -> None:
+        remove, self._remove = self._remove, None
+        if remove is not None:
+            remove()
+
+
+class CaptureBackend(ABC):
+    """Framework adapter used by :class:`twinstep.capture.recorder.Recorder`."""
+
+    #: Short framework name sent to the server ("torch", "paddle").
+    framework: str = ""
+
+    @abstractmethod
+    def framework_version(self) -> str: ...
+
+    @abstractmethod
+    def named_modules(self, model: Module) -> Iterator[tuple[str, Module]]:
+        """All modules including the root (named "")."""
+
+    @abstractmethod
+    def named_parameters(self, model: Module) -> Iterator[tuple[str, Tensor, str, str]]:
+        """(name, parameter, owner module name, owner module type) per trainable parameter."""
+
+    @abstractmethod
+    def add_output_hook(self, module: Module, hook: Callable[[Module, Any], None]) -> RemovableHandle:
+        """Call ``hook(module, output)`` after every forward call of ``module``."""
+
+    @abstractmethod
+    def output_tensors(self, output: Any) -> list[Tensor]:
+        """The floating/integer tensors in a module output, in a stable order (hot)."""
+
+    @abstractmethod
+    def add_grad_hook(self, tensor: Tensor, hook: Callable[[Tensor], None]) -> bool:
+        """Call ``hook(grad)`` when the gradient of ``tensor`` is computed (hot).
+
+        Returns False when the tensor takes no part in autograd.
+        """
+
+    @abstractmethod
+    def grad(self, parameter: Tensor) -> Tensor | None: ...
+
+    @abstractmethod
+    def describe(self, tensor: Tensor) -> tuple[str, tuple[int, ...]]:
+        """(neutral dtype name, shape) (hot)."""
+
+    @abstractmethod
+    def device_stats(self, tensor: Tensor) -> Any:
+        """A device vector of the :data:`twinstep.stats.DEVICE_FIELDS` of ``tensor`` (hot)."""
+
+    @abstractmethod
+    def stats_to_host(self, handles: list[Any]) -> np.ndarray:
+        """Stack device statistics into one float64 array [n, 7] with one copy."""
+
+    @abstractmethod
+    def host_copy(self, tensor: Tensor) -> Any:
+        """A private host copy of ``tensor`` for tensor mode (hot: one copy, no conversion)."""
+
+    @abstractmethod
+    def storage_array(self, copy: Any) -> np.ndarray:
+        """The wire storage array of a host copy; runs on a background thread."""
+
+    def loss_tensor(self, loss: Any) -> Tensor | None:
+        """The tensor of a loss passed to ``step()``; plain floats are wrapped."""
+        return loss

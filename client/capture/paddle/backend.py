@@ -1,0 +1,143 @@
+"""Hooks and statistics for ``paddle.nn.Layer`` models (dynamic graph)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import paddle
+
+from twinstep.capture.base import CaptureBackend, RemovableHandle
+
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float64": "float64",
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "uint8": "uint8",
+    "bool": "bool",
+}
+
+
+def _dtype_name(tensor: paddle.Tensor) -> str | None:
+    return _DTYPE_NAMES.get(str(tensor.dtype).rsplit(".", 1)[-1])
+
+
+class PaddleBackend(CaptureBackend):
+    framework = "paddle"
+
+    def framework_version(self) -> str:
+        return paddle.__version__
+
+    def named_modules(self, model: paddle.nn.Layer) -> Iterator[tuple[str, paddle.nn.Layer]]:
+        return model.named_sublayers(include_self=True)
+
+    def named_parameters(self, model: paddle.nn.Layer) -> Iterator[tuple[str, paddle.Tensor, str, str]]:
+        seen: set[int] = set()
+        for layer_name, layer in model.named_sublayers(include_self=True):
+            for local, param in layer.named_parameters(include_sublayers=False):
+                if id(param) in seen or param.stop_gradient:
+                    continue
+                seen.add(id(param))
+                name = f"{layer_name}.{local}" if layer_name else local
+                yield name, param, layer_name, type(layer).__name__
+
+    def add_output_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+        def post_hook(layer: paddle.nn.Layer, inputs: Any, output: Any) -> None:
+            hook(layer, output)
+
+        return RemovableHandle(module.register_forward_post_hook(post_hook).remove)
+
+    def output_tensors(self, output: Any) -> list[paddle.Tensor]:
+        found: list[paddle.Tensor] = []
+        _collect(output, found)
+        return found
+
+    def add_grad_hook(self, tensor: paddle.Tensor, hook: Callable[[paddle.Tensor], None]) -> bool:
+        if tensor.stop_gradient or not paddle.is_grad_enabled():
+            return False
+
+        def grad_hook(grad: paddle.Tensor) -> None:
+            hook(grad)
+
+        tensor.register_hook(grad_hook)
+        return True
+
+    def grad(self, parameter: paddle.Tensor) -> paddle.Tensor | None:
+        return parameter.grad
+
+    def describe(self, tensor: paddle.Tensor) -> tuple[str, tuple[int, ...]]:
+        return _dtype_name(tensor) or "float32", tuple(tensor.shape)
+
+    def device_stats(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        with paddle.no_grad():
+            x = tensor.detach()
+            if x.size == 0:
+                return paddle.zeros([7], dtype="float64")
+            name = _dtype_name(x)
+            if name in ("float16", "bfloat16"):
+                x = x.astype("float32")
+            elif name not in ("float32", "float64"):
+                x = x.astype("float64")
+            flat = x.reshape([-1])
+            total = paddle.sum(flat, dtype="float64")
+            # Squares summed in float64, as in the torch backend.
+            sum_sq = paddle.sum(flat * flat, dtype="float64")
+            lo = paddle.min(flat).astype("float64")
+            hi = paddle.max(flat).astype("float64")
+            if not flat.place.is_cpu_place():
+                nan = paddle.isnan(flat).astype("float64").sum()
+                inf = paddle.isinf(flat).astype("float64").sum()
+            elif bool(paddle.isfinite(total)):
+                nan = inf = paddle.zeros([], dtype="float64")
+            else:
+                # Rare path: moments and extrema over the finite elements only.
+                nan = paddle.isnan(flat).astype("float64").sum()
+                inf = paddle.isinf(flat).astype("float64").sum()
+                total, sum_sq, lo, hi = _finite_moments(paddle.masked_select(flat, paddle.isfinite(flat)))
+            abs_max = paddle.maximum(-lo, hi)
+            return paddle.stack([total, sum_sq, lo, hi, abs_max, nan, inf])
+
+    def stats_to_host(self, handles: list[paddle.Tensor]) -> np.ndarray:
+        if not handles:
+            return np.zeros((0, 7), dtype=np.float64)
+        return paddle.stack(handles).numpy().astype(np.float64, copy=False)
+
+    def host_copy(self, tensor: paddle.Tensor) -> np.ndarray:
+        # .numpy() is one device-to-host copy; bfloat16 arrives as its uint16 bits.
+        return tensor.detach().numpy()
+
+    def storage_array(self, copy: np.ndarray) -> np.ndarray:
+        return copy
+
+    def loss_tensor(self, loss: Any) -> paddle.Tensor | None:
+        if loss is None or isinstance(loss, paddle.Tensor):
+            return loss
+        return paddle.to_tensor(float(loss), dtype="float64")
+
+
+def _collect(value: Any, found: list[paddle.Tensor]) -> None:
+    if isinstance(value, paddle.Tensor):
+        if _dtype_name(value) is not None:
+            found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect(item, found)
+    elif isinstance(value, dict):
+        for key in value:
+            _collect(value[key], found)
+    elif hasattr(value, "to_tuple"):  # paddleformers ModelOutput
+        _collect(value.to_tuple(), found)
+
+
+def _finite_moments(finite: paddle.Tensor) -> tuple[paddle.Tensor, ...]:
+    if finite.size == 0:
+        zero = paddle.zeros([], dtype="float64")
+        return zero, zero, zero, zero
+    total = paddle.sum(finite, dtype="float64")
+    sum_sq = paddle.sum(finite * finite, dtype="float64")
+    return total, sum_sq, paddle.min(finite).astype("float64"), paddle.max(finite).astype("float64")

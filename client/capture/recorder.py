@@ -1,0 +1,252 @@
+"""Framework-neutral recording of one training step, on the training thread.
+
+The recorder installs one output hook per selected module.  Each hook computes
+device statistics of the module's outputs (no host sync), optionally takes a
+host copy (tensor mode), and registers a gradient hook on each output so the
+gradient with respect to it is recorded during backward.  ``finish_step`` adds
+the loss, parameter gradients and updated parameters and hands back a
+:class:`StepBatch`: everything later work (encoding, compression, sending)
+needs, with no further reference to the framework's tensors.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.codec import DTYPE_TO_WIRE
+from twinstep.v1 import twinstep_pb2 as pb
+
+logger = logging.getLogger("twinstep")
+
+#: Upper bound on records in one step, so a missing ``step()`` call cannot grow memory without end.
+MAX_RECORDS_PER_STEP = 1_000_000
+
+
+@dataclass(kw_only=True)
+class CaptureConfig:
+    """What to capture."""
+
+    capture: str = "stats"
+    """"stats": statistics only; "tensors": statistics plus full tensors (lossless)."""
+    include: tuple[str, ...] = ("*",)
+    """Glob patterns over module names ("" is the whole model); a module must match one."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns over module names to leave out."""
+    every: int = 1
+    """Capture every N-th step (0, N, 2N, ...)."""
+    backward: bool = True
+    """Record gradients with respect to module outputs."""
+    parameters: bool = True
+    """Record parameter gradients and parameters after the update."""
+
+    def __post_init__(self) -> None:
+        if self.capture not in ("stats", "tensors"):
+            raise ValueError(f"capture must be 'stats' or 'tensors', got {self.capture!r}")
+        if isinstance(self.include, str) or isinstance(self.exclude, str):
+            raise ValueError("include and exclude take a sequence of glob patterns, not a string")
+        self.include = tuple(self.include)
+        self.exclude = tuple(self.exclude)
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be a positive integer, got {self.every!r}")
+
+    def selects(self, module_name: str) -> bool:
+        return any(fnmatch.fnmatchcase(module_name, p) for p in self.include) and not any(
+            fnmatch.fnmatchcase(module_name, p) for p in self.exclude
+        )
+
+
+@dataclass
+class StepBatch:
+    """One (rank, step) of records, detached from the framework."""
+
+    step: int
+    phase: np.ndarray
+    target: np.ndarray
+    call_index: np.ndarray
+    slot: np.ndarray
+    dtype: np.ndarray
+    ndim: np.ndarray
+    dims: list[int]
+    count: np.ndarray
+    device_stats: np.ndarray  # [n, 7] float64, twinstep.stats.DEVICE_FIELDS
+    tensors: list[tuple[int, str, Any]] = field(default_factory=list)  # (record, dtype, host copy)
+    storage_array: Callable[[Any], np.ndarray] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory held, for bounding the send queue."""
+        size = self.device_stats.nbytes + 64 * len(self.phase)
+        for _, _, copy in self.tensors:
+            size += int(getattr(copy, "nbytes", 0) or copy.numel() * copy.element_size())
+        return size
+
+
+class _StepBuffer:
+    """Columns of the step being recorded."""
+
+    __slots__ = ("phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow")
+
+    def __init__(self) -> None:
+        self.phase: list[int] = []
+        self.target: list[int] = []
+        self.call: list[int] = []
+        self.slot: list[int] = []
+        self.dtype: list[int] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.stats: list[Any] = []
+        self.tensors: list[tuple[int, str, Any]] = []
+        self.calls: dict[int, int] = {}
+        self.overflow = 0
+
+
+class Recorder:
+    """Hooks one model and records each step; all methods run on the training thread."""
+
+    def __init__(self, model: Any, backend: CaptureBackend, config: CaptureConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self._handles: list[RemovableHandle] = []
+        self._module_ids: dict[str, int] = {}
+        self._new_modules: list[pb.ModuleInfo] = []
+        self._buffer = _StepBuffer()
+        self._active = True
+        self._hook_failures = 0
+        self.parameters: list[tuple[int, str, Any]] = []
+        self.parameter_infos: list[pb.ParameterInfo] = []
+        for name, module in backend.named_modules(model):
+            if config.selects(name):
+                self._handles.append(backend.add_output_hook(module, self._output_hook(name, type(module).__name__)))
+        if config.parameters:
+            for name, param, owner, owner_type in backend.named_parameters(model):
+                if not config.selects(owner):
+                    continue
+                pid = len(self.parameters)
+                dtype, shape = backend.describe(param)
+                self.parameters.append((pid, name, param))
+                self.parameter_infos.append(
+                    pb.ParameterInfo(
+                        id=pid, name=name, module=owner, module_type=owner_type, shape=shape, dtype=DTYPE_TO_WIRE[dtype]
+                    )
+                )
+
+    # -- hooks (hot path) ---------------------------------------------------
+
+    def _output_hook(self, name: str, module_type: str) -> Callable[[Any, Any], None]:
+        def hook(module: Any, output: Any) -> None:
+            if not self._active:
+                return
+            try:
+                self._record_output(name, module_type, output)
+            except Exception:  # never break the training step
+                self._hook_failed(name)
+
+        return hook
+
+    def _record_output(self, name: str, module_type: str, output: Any) -> None:
+        module_id = self._module_ids.get(name)
+        if module_id is None:
+            module_id = len(self._module_ids)
+            self._module_ids[name] = module_id
+            self._new_modules.append(pb.ModuleInfo(id=module_id, name=name, type=module_type))
+        buffer = self._buffer
+        call = buffer.calls.get(module_id, 0)
+        buffer.calls[module_id] = call + 1
+        for slot, tensor in enumerate(self.backend.output_tensors(output)):
+            self._add(pb.FORWARD, module_id, call, slot, tensor)
+            if self.config.backward:
+                self.backend.add_grad_hook(tensor, self._grad_hook(module_id, call, slot, name))
+
+    def _grad_hook(self, module_id: int, call: int, slot: int, name: str) -> Callable[[Any], None]:
+        def hook(grad: Any) -> None:
+            if not self._active:
+                return
+            try:
+                self._add(pb.BACKWARD, module_id, call, slot, grad)
+            except Exception:
+                self._hook_failed(name)
+
+        return hook
+
+    def _add(self, phase: int, target: int, call: int, slot: int, tensor: Any) -> None:
+        buffer = self._buffer
+        if len(buffer.phase) >= MAX_RECORDS_PER_STEP:
+            buffer.overflow += 1
+            return
+        backend = self.backend
+        dtype, shape = backend.describe(tensor)
+        buffer.stats.append(backend.device_stats(tensor))
+        if self.config.capture == "tensors":
+            buffer.tensors.append((len(buffer.phase), dtype, backend.host_copy(tensor)))
+        buffer.phase.append(phase)
+        buffer.target.append(target)
+        buffer.call.append(call)
+        buffer.slot.append(slot)
+        buffer.dtype.append(DTYPE_TO_WIRE[dtype])
+        buffer.shapes.append(shape)
+
+    def _hook_failed(self, name: str) -> None:
+        self._hook_failures += 1
+        if self._hook_failures == 1:
+            logger.warning("twinstep: capture failed in module %r; training continues", name, exc_info=True)
+
+    # -- step boundary ------------------------------------------------------
+
+    def set_active(self, active: bool) -> None:
+        self._active = active
+
+    def take_new_modules(self) -> list[pb.ModuleInfo]:
+        new, self._new_modules = self._new_modules, []
+        return new
+
+    def finish_step(self, step: int, loss: Any) -> StepBatch:
+        """Add loss, gradients and parameters; return the step and start a new one."""
+        backend = self.backend
+        if loss is not None:
+            loss_tensor = backend.loss_tensor(loss)
+            if loss_tensor is not None:
+                self._add(pb.LOSS, 0, 0, 0, loss_tensor)
+        for pid, _, param in reversed(self.parameters):  # the order backward produces them
+            grad = backend.grad(param)
+            if grad is not None:
+                self._add(pb.GRAD, pid, 0, 0, grad)
+        for pid, _, param in self.parameters:
+            self._add(pb.PARAM, pid, 0, 0, param)
+        buffer, self._buffer = self._buffer, _StepBuffer()
+        if buffer.overflow:
+            logger.warning("twinstep: step %d had more than %d records; %d not recorded", step, MAX_RECORDS_PER_STEP, buffer.overflow)
+        phase = np.asarray(buffer.phase, dtype=np.int32)
+        # Records go out grouped by phase, keeping the order they were produced in.
+        order = np.argsort(phase, kind="stable")
+        shapes = [buffer.shapes[i] for i in order]
+        position = np.empty_like(order)
+        position[order] = np.arange(len(order))
+        return StepBatch(
+            step=step,
+            phase=phase[order],
+            target=np.asarray(buffer.target, dtype=np.uint32)[order],
+            call_index=np.asarray(buffer.call, dtype=np.uint32)[order],
+            slot=np.asarray(buffer.slot, dtype=np.uint32)[order],
+            dtype=np.asarray(buffer.dtype, dtype=np.int32)[order],
+            ndim=np.asarray([len(s) for s in shapes], dtype=np.uint32),
+            dims=[d for s in shapes for d in s],
+            count=np.asarray([int(np.prod(s)) for s in shapes], dtype=np.int64),
+            device_stats=backend.stats_to_host(buffer.stats)[order] if buffer.stats else np.zeros((0, 7)),
+            tensors=[(int(position[i]), dtype, copy) for i, dtype, copy in buffer.tensors],
+            storage_array=backend.storage_array,
+        )
+
+    def discard_step(self) -> None:
+        self._buffer = _StepBuffer()
+
+    def remove(self) -> None:
+        """Detach every hook; the model is left as it was."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._active = False

@@ -1,0 +1,1 @@
+"""The ``twinstep`` command line."""

@@ -1,0 +1,202 @@
+"""Demo training job: `python -m twinstep.demo.job --framework torch|paddle ...`.
+
+Trains the spec.py LM in one framework, optionally under twinstep, so two of these
+jobs (e.g. torch baseline vs paddle port, or with an injected --bug) can be compared
+live. The loss is computed here rather than in the model so both ports share one
+definition of the training objective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+from . import spec
+
+LR = 1e-3
+BUGGY_LR = 1.1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 0.01
+
+
+class TorchTrainer:
+    """Torch model, optional DDP wrapper and AdamW; imports torch only when a torch job runs."""
+
+    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int) -> None:
+        import torch
+
+        from .model_torch import build_model
+
+        torch.set_num_threads(1)
+        torch.manual_seed(cfg.seed)
+        self.torch = torch
+        self.inner = build_model(cfg, spec.init_weights(cfg))
+        self.model: Any = self.inner
+        self.distributed = world_size > 1
+        if self.distributed:
+            # MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE come from the environment (env:// init).
+            torch.distributed.init_process_group(backend="gloo")
+            self.model = torch.nn.parallel.DistributedDataParallel(self.inner)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+        )
+
+    def train_step(self, ids: Any, tgt: Any) -> Any:
+        """Forward, next-token cross-entropy, backward and optimizer step; returns the loss tensor."""
+        torch = self.torch
+        logits = self.model(torch.from_numpy(ids))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.from_numpy(tgt).reshape(-1)
+        )
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def close(self) -> None:
+        if self.distributed:
+            self.torch.distributed.destroy_process_group()
+
+
+class PaddleTrainer:
+    """Paddle model and AdamW; imports paddle only when a paddle job runs."""
+
+    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int) -> None:
+        if world_size > 1:
+            raise SystemExit("twinstep demo: multi-rank training is only implemented for --framework torch")
+        # OpenMP reads this at import time; one thread keeps two jobs light on a small box.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle
+
+        from .model_paddle import build_model
+
+        paddle.set_device("cpu")
+        paddle.seed(cfg.seed)
+        self.paddle = paddle
+        self.inner = build_model(cfg, spec.init_weights(cfg))
+        self.model = self.inner
+        # Paddle's AdamW kernel decays decoupled with the raw lr (p *= 1 - lr*wd), as torch does.
+        self.opt = paddle.optimizer.AdamW(
+            learning_rate=lr,
+            parameters=self.model.parameters(),
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            epsilon=EPS,
+            weight_decay=WEIGHT_DECAY,
+        )
+
+    def train_step(self, ids: Any, tgt: Any) -> Any:
+        """Forward, next-token cross-entropy, backward and optimizer step; returns the loss tensor."""
+        paddle = self.paddle
+        logits = self.model(paddle.to_tensor(ids))
+        loss = paddle.nn.functional.cross_entropy(
+            logits.reshape([-1, logits.shape[-1]]), paddle.to_tensor(tgt).reshape([-1])
+        )
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def zero_grad(self) -> None:
+        self.opt.clear_grad()
+
+    def close(self) -> None:
+        pass
+
+
+class _NoMonitor:
+    """Stands in for the twinstep monitor when the job trains on its own (--no-monitor)."""
+
+    def step(self, loss: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m twinstep.demo.job", description=__doc__.splitlines()[0])
+    p.add_argument("--framework", choices=("torch", "paddle"), required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--session", default=os.environ.get("TWINSTEP_SESSION", "demo"))
+    p.add_argument("--run", default=None, help="run name (default: the framework)")
+    p.add_argument("--baseline", action="store_true", help="this run is the reference the other is judged against")
+    p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
+    p.add_argument("--bug", choices=("none", "gelu_tanh", "lr"), default="none",
+                   help="inject a divergence: tanh GELU in layers.1.mlp.act, or lr 1.1e-3")
+    p.add_argument("--capture", choices=("stats", "tensors"), default="stats")
+    p.add_argument("--no-monitor", action="store_true", help="train without twinstep")
+    p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep per step (simulate a slow job)")
+    p.add_argument("--lockstep", type=int, default=0, metavar="N",
+                   help="wait while this run leads the other by N steps (0: never wait)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = args.run or args.framework
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[{run}]" if world_size == 1 else f"[{run}:{rank}]"
+    cfg = spec.ModelConfig(seed=args.seed, tanh_gelu_layers=(1,) if args.bug == "gelu_tanh" else ())
+    lr = BUGGY_LR if args.bug == "lr" else LR
+
+    trainer = (TorchTrainer if args.framework == "torch" else PaddleTrainer)(cfg, lr, world_size)
+    if args.no_monitor:
+        mon: Any = _NoMonitor()
+        halted_type: Any = ()  # an empty tuple in `except` catches nothing
+    else:
+        import twinstep
+
+        mon = twinstep.attach(
+            trainer.inner, session=args.session, run=run, baseline=args.baseline,
+            server=args.server, capture=args.capture, lockstep=args.lockstep,
+        )
+        halted_type = twinstep.Halted
+
+    losses: list[float] = []
+    halted, halt_reason, halt_step = False, None, None
+    try:
+        for step in range(args.steps):
+            ids, tgt = spec.batch(step, rank, cfg)
+            loss = trainer.train_step(ids, tgt)
+            losses.append(float(loss.item()))
+            print(f"{prefix} step {step} loss {losses[-1]:.6f}", flush=True)
+            mon.step(loss=loss)
+            trainer.zero_grad()
+            if args.step_delay > 0:
+                time.sleep(args.step_delay)
+    except halted_type as h:
+        halted, halt_reason, halt_step = True, h.reason, h.step
+        print(f"{prefix} halted at step {h.step}: {h.reason}", flush=True)
+    finally:
+        mon.close()
+        trainer.close()
+        if args.result_file:
+            result = {
+                "steps_completed": len(losses),  # optimizer steps taken, including a step whose report halted
+                "halted": halted,
+                "halt_reason": halt_reason,
+                "halt_step": halt_step,
+                "losses": losses,
+                "rank": rank,
+            }
+            with open(args.result_file, "w") as f:
+                json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""Background gRPC stream from one training process to the comparison server.
+
+Modelled on OpenTelemetry's BatchProcessor and OTLP exporter: ``submit`` runs on
+the training thread and only appends to a bounded deque; one named daemon
+worker owns the connection.  When the server is unreachable, slow or gone the
+outbox keeps the newest steps and drops the oldest (counted per reason), one
+warning is logged, and the worker reconnects with jittered backoff.  Steps
+stay in the outbox until the server acknowledges them, so a reconnect resends
+what the broken stream may have lost and the server skips what it already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+
+from twinstep.capture.recorder import StepBatch
+from twinstep.transport.messages import step_message
+from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("twinstep")
+
+# Status codes that no retry can fix: the server understood and refused us.
+_FATAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+_POLL_SECONDS = 0.2
+
+
+@dataclass(kw_only=True)
+class StreamConfig:
+    """Connection and buffering settings of one training process."""
+
+    target: str
+    """Server address, host:port."""
+    max_queue_steps: int = 256
+    """Steps held while the server is behind or away; the oldest are dropped beyond this."""
+    max_queue_bytes: int = 1 << 30
+    """Bytes held (tensor mode); the oldest steps are dropped beyond this."""
+    max_message_bytes: int = 256 << 20
+    """Largest message sent; larger steps are dropped with reason "oversized"."""
+    backoff_initial: float = 0.5
+    """First reconnect delay in seconds; doubles up to ``backoff_max``, with jitter."""
+    backoff_max: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.target or ":" not in self.target:
+            raise ValueError(f"server must be host:port, got {self.target!r}")
+        if self.max_queue_steps < 1:
+            raise ValueError("max_queue_steps must be at least 1")
+
+
+@dataclass
+class ClientStats:
+    """Counters of one stream client (read them from any thread)."""
+
+    dropped: dict[str, int] = field(default_factory=dict)
+    steps_sent: int = 0
+    reconnects: int = 0
+    connected: bool = False
+    rejected: str = ""
+
+
+class StreamClient:
+    """Owns the outbox and the worker thread of one training process."""
+
+    def __init__(
+        self,
+        hello: pb.Hello,
+        config: StreamConfig,
+        on_command: Callable[[pb.Command], None],
+        current_step: Callable[[], int],
+    ) -> None:
+        self._hello = hello
+        self._config = config
+        self._on_command = on_command
+        self._current_step = current_step
+        self.stats = ClientStats()
+        self._modules: list[pb.ModuleInfo] = []
+        self._parameters: list[pb.ParameterInfo] = []
+        self._init_state()
+        self._warned: set[str] = set()
+        if hasattr(os, "register_at_fork"):
+            method = weakref.WeakMethod(self._after_fork_in_child)
+            os.register_at_fork(after_in_child=lambda: (m := method()) is not None and m())
+
+    def _init_state(self) -> None:
+        self._cond = threading.Condition()
+        self._steps: deque[StepBatch] = deque()  # oldest first; the first _sent are on the wire
+        self._bytes = 0
+        self._sent = 0
+        self._control: deque[pb.ClientMessage] = deque()
+        self._manifest_sent = (0, 0)
+        self._credit = -1  # highest step we may send; -1 until the server welcomes us
+        self._welcomed = False
+        self._closing = False  # finish sending, then say Close
+        self._close_message: pb.ClientMessage | None = None
+        self._stopped = threading.Event()  # give up now
+        self._finished = threading.Event()  # Close went out and the server ended the stream
+        self._worker: threading.Thread | None = None
+        self._call: grpc.Future | None = None
+        self._pid = os.getpid()
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child (e.g. a data-loader worker) must not share the parent's
+        # lock, queue or connection; it gets an inert client of its own.
+        self._init_state()
+        self._closing = True
+        self._stopped.set()
+
+    # -- training thread ----------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._worker is None and not self._stopped.is_set():
+                self._worker = threading.Thread(target=self._run, name="twinstep-sender", daemon=True)
+                self._worker.start()
+
+    def add_manifest(self, modules: list[pb.ModuleInfo], parameters: list[pb.ParameterInfo]) -> None:
+        if not modules and not parameters:
+            return
+        with self._cond:
+            self._modules.extend(modules)
+            self._parameters.extend(parameters)
+            self._cond.notify_all()
+
+    def submit(self, batch: StepBatch) -> bool:
+        """Queue a step for sending; O(1) unless old steps must be dropped. Never blocks."""
+        with self._cond:
+            if self._closing or self._stopped.is_set():
+                self._drop("already_shutdown" if os.getpid() == self._pid else "forked_child")
+                return False
+            if self.stats.rejected:
+                self._drop("server_rejected")
+                return False
+            self._steps.append(batch)
+            self._bytes += batch.nbytes
+            # Drop from the old end: the newest steps are the ones still comparable.
+            while len(self._steps) > 1 and (
+                len(self._steps) > self._config.max_queue_steps or self._bytes > self._config.max_queue_bytes
+            ):
+                old = self._steps.popleft()
+                self._bytes -= old.nbytes
+                if self._sent > 0:
+                    self._sent -= 1  # already on the wire, only its acknowledgement is lost
+                else:
+                    self._drop("queue_full")
+            self._cond.notify_all()
+        return True
+
+    def wait_for_credit(self, step: int, timeout: float, interrupted: Callable[[], bool]) -> bool:
+        """Block until the server lets this run reach ``step`` (lockstep); False on timeout.
+
+        Returns at once while disconnected: lockstep never turns a dead server
+        into a hung training.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._credit < step and self._welcomed and not interrupted() and not self._stopped.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, _POLL_SECONDS))
+        return True
+
+    def send_control(self, message: pb.ClientMessage) -> None:
+        with self._cond:
+            self._control.append(message)
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self, reason: str, last_step: int, timeout: float) -> None:
+        """Send what is queued, say Close, and stop; bounded by ``timeout`` seconds."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._close_message = pb.ClientMessage(
+                close=pb.Close(reason=reason, last_step=last_step, dropped=self.stats.dropped)
+            )
+            worker = self._worker
+            self._cond.notify_all()
+        if worker is not None:
+            worker.join(timeout)
+        self._stopped.set()
+        with self._cond:
+            call = self._call
+            unsent = len(self._steps) - self._sent
+            for _ in range(max(unsent, 0)):
+                self._drop("shutdown")
+            self._steps.clear()
+            self._cond.notify_all()
+        if call is not None:
+            call.cancel()
+        if worker is not None:
+            worker.join(1.0)
+
+    # -- worker thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = self._config.backoff_initial
+        options = [
+            # Tensor-mode steps are large: raise gRPC's 4 MiB default both ways.
+            ("grpc.max_send_message_length", self._config.max_message_bytes),
+            ("grpc.max_receive_message_length", 64 << 20),
+            # Detect a vanished server on an idle stream within ~30 s.
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
+        while not self._stopped.is_set():
+            attempt_done = threading.Event()
+            try:
+                with grpc.insecure_channel(self._config.target, options=options) as channel:
+                    stub = pb_grpc.TwinstepStub(channel)
+                    call = stub.Stream(self._requests(attempt_done))
+                    with self._cond:
+                        self._call = call
+                    for response in call:
+                        if self._handle(response):
+                            backoff = self._config.backoff_initial
+                if self._finished.is_set():
+                    return
+            except grpc.RpcError as error:
+                code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+                details = error.details() if hasattr(error, "details") else str(error)
+                if code in _FATAL_CODES:
+                    self._reject(f"{code.name}: {details}")
+                    return
+                if self._finished.is_set() or (self._closing and self._stopped.is_set()):
+                    return
+                self._warn_once(
+                    "unreachable",
+                    "twinstep: lost contact with the comparison server at %s (%s: %s); training continues, "
+                    "up to %d steps are kept and older ones dropped; reconnecting in the background",
+                    self._config.target,
+                    code.name,
+                    details,
+                    self._config.max_queue_steps,
+                )
+            except Exception:  # a bug here must not take the training down
+                logger.exception("twinstep: sender failed; reconnecting")
+            finally:
+                attempt_done.set()
+                with self._cond:
+                    self._call = None
+                    self._welcomed = False
+                    self._credit = -1
+                    self._sent = 0
+                    self._manifest_sent = (0, 0)
+                    self.stats.connected = False
+                    self._cond.notify_all()
+            if self._closing and not self._steps:
+                return  # nothing left worth a reconnect
+            self._stopped.wait(backoff * random.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, self._config.backoff_max)
+            self.stats.reconnects += 1
+
+    def _handle(self, response: pb.ServerMessage) -> bool:
+        """Apply one server message; True when it shows a healthy stream."""
+        kind = response.WhichOneof("body")
+        if kind == "welcome":
+            with self._cond:
+                self._welcomed = True
+                self.stats.connected = True
+                last = response.welcome.last_step_received
+                self._ack(last)
+                self._cond.notify_all()
+            if "unreachable" in self._warned:
+                logger.warning("twinstep: reconnected to %s", self._config.target)
+                self._warned.discard("unreachable")
+            return True
+        if kind == "credit":
+            with self._cond:
+                self._credit = response.credit.max_step
+                self._ack(response.credit.acked_step)
+                self._cond.notify_all()
+            return True
+        if kind == "command":
+            command = response.command
+            if command.kind == pb.Command.HALT_PREPARE:
+                ack = pb.HaltAck(request_id=command.request_id, current_step=self._current_step())
+                self.send_control(pb.ClientMessage(halt_ack=ack))
+            self._on_command(command)
+            with self._cond:
+                self._cond.notify_all()
+            return True
+        if kind == "event":
+            _log_event(response.event)
+        return False
+
+    def _ack(self, acked_step: int) -> None:
+        """Forget queued steps the server holds (caller holds the lock)."""
+        while self._steps and self._steps[0].step <= acked_step:
+            old = self._steps.popleft()
+            self._bytes -= old.nbytes
+            if self._sent > 0:
+                self._sent -= 1
+
+    def _requests(self, attempt_done: threading.Event) -> Iterator[pb.ClientMessage]:
+        yield pb.ClientMessage(hello=self._hello)
+        while True:
+            with self._cond:
+                message, batch = self._next_locked(attempt_done)
+                if message is None and batch is None:
+                    return
+                dropped = dict(self.stats.dropped)
+            if batch is not None:
+                message = step_message(batch, self._hello.rank, dropped)
+                size = message.ByteSize()
+                if size > self._config.max_message_bytes:
+                    self._warn_once(
+                        "oversized",
+                        "twinstep: step %d is %d bytes, over the %d byte message limit; dropped "
+                        "(capture fewer modules in tensor mode, or use statistics)",
+                        batch.step,
+                        size,
+                        self._config.max_message_bytes,
+                    )
+                    with self._cond:
+                        self._drop("oversized")
+                    continue
+                self.stats.steps_sent += 1
+            yield message
+            if message.WhichOneof("body") == "close":
+                self._finished.set()
+                return
+
+    def _next_locked(self, attempt_done: threading.Event) -> tuple[pb.ClientMessage | None, StepBatch | None]:
+        """The next thing to send, waiting for one; (None, None) ends the request stream."""
+        while True:
+            if attempt_done.is_set() or self._stopped.is_set():
+                return None, None
+            if self._control:
+                return self._control.popleft(), None
+            if self._welcomed:
+                sent_modules, sent_params = self._manifest_sent
+                if sent_modules < len(self._modules) or sent_params < len(self._parameters):
+                    self._manifest_sent = (len(self._modules), len(self._parameters))
+                    manifest = pb.Manifest(
+                        modules=self._modules[sent_modules:], parameters=self._parameters[sent_params:]
+                    )
+                    return pb.ClientMessage(manifest=manifest), None
+                if self._sent < len(self._steps):
+                    batch = self._steps[self._sent]
+                    # Closing ignores credit: the server's own window bounds its memory.
+                    if batch.step <= self._credit or self._closing:
+                        self._sent += 1
+                        return None, batch
+                elif self._closing and self._close_message is not None:
+                    message, self._close_message = self._close_message, None
+                    return message, None
+            self._cond.wait(_POLL_SECONDS)
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def _drop(self, reason: str) -> None:
+        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+        if reason not in ("shutdown", "forked_child"):
+            self._warn_once(
+                "drop:" + reason,
+                "twinstep: dropping steps (%s); counted in the report, warned once",
+                reason,
+            )
+
+    def _reject(self, why: str) -> None:
+        with self._cond:
+            self.stats.rejected = why
+            dropped = len(self._steps) - self._sent
+            self._steps.clear()
+            self._sent = 0
+            for _ in range(max(dropped, 0)):
+                self._drop("server_rejected")
+            self._stopped.set()
+            self._cond.notify_all()
+        logger.error("twinstep: the comparison server refused this run (%s); capture stops, training continues", why)
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+
+def _log_event(event: pb.Event) -> None:
+    kind = event.WhichOneof("body")
+    if kind == "divergence":
+        d = event.divergence
+        logger.warning(
+            "twinstep: divergence at step %d, %s of %r (%s %.3g > %.3g)",
+            d.step,
+            d.phase,
+            d.module,
+            d.metric,
+            d.value,
+            d.tolerance,
+        )
+    elif kind == "alert":
+        logger.warning("twinstep: %s", event.alert.message)

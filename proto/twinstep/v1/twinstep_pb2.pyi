@@ -1,0 +1,431 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    FORWARD: _ClassVar[Phase]
+    LOSS: _ClassVar[Phase]
+    BACKWARD: _ClassVar[Phase]
+    GRAD: _ClassVar[Phase]
+    PARAM: _ClassVar[Phase]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    RAW: _ClassVar[Codec]
+    ZSTD: _ClassVar[Codec]
+PHASE_UNSPECIFIED: Phase
+FORWARD: Phase
+LOSS: Phase
+BACKWARD: Phase
+GRAD: Phase
+PARAM: Phase
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT64: DType
+INT8: DType
+INT16: DType
+INT32: DType
+INT64: DType
+UINT8: DType
+BOOL: DType
+CODEC_UNSPECIFIED: Codec
+RAW: Codec
+ZSTD: Codec
+
+class Hello(_message.Message):
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    session: str
+    run: str
+    baseline: bool
+    framework: str
+    framework_version: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    client_version: str
+    capture: str
+    max_lead: int
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ...) -> None: ...
+
+class ModuleInfo(_message.Message):
+    __slots__ = ("id", "name", "type")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    type: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
+
+class ParameterInfo(_message.Message):
+    __slots__ = ("id", "name", "module", "module_type", "shape", "dtype")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    module: str
+    module_type: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., module: _Optional[str] = ..., module_type: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("modules", "parameters")
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleInfo]
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
+    def __init__(self, modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ...) -> None: ...
+
+class Statistics(_message.Message):
+    __slots__ = ("count", "sum", "sum_sq", "min", "max", "abs_max", "nan_count", "inf_count")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    SUM_SQ_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    ABS_MAX_FIELD_NUMBER: _ClassVar[int]
+    NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: _containers.RepeatedScalarFieldContainer[int]
+    sum: _containers.RepeatedScalarFieldContainer[float]
+    sum_sq: _containers.RepeatedScalarFieldContainer[float]
+    min: _containers.RepeatedScalarFieldContainer[float]
+    max: _containers.RepeatedScalarFieldContainer[float]
+    abs_max: _containers.RepeatedScalarFieldContainer[float]
+    nan_count: _containers.RepeatedScalarFieldContainer[int]
+    inf_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, count: _Optional[_Iterable[int]] = ..., sum: _Optional[_Iterable[float]] = ..., sum_sq: _Optional[_Iterable[float]] = ..., min: _Optional[_Iterable[float]] = ..., max: _Optional[_Iterable[float]] = ..., abs_max: _Optional[_Iterable[float]] = ..., nan_count: _Optional[_Iterable[int]] = ..., inf_count: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorPayload(_message.Message):
+    __slots__ = ("record", "codec", "data", "raw_nbytes")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    record: int
+    codec: Codec
+    data: bytes
+    raw_nbytes: int
+    def __init__(self, record: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., raw_nbytes: _Optional[int] = ...) -> None: ...
+
+class StepRecords(_message.Message):
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CALL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NDIM_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    phase: _containers.RepeatedScalarFieldContainer[Phase]
+    target: _containers.RepeatedScalarFieldContainer[int]
+    call_index: _containers.RepeatedScalarFieldContainer[int]
+    slot: _containers.RepeatedScalarFieldContainer[int]
+    dtype: _containers.RepeatedScalarFieldContainer[DType]
+    ndim: _containers.RepeatedScalarFieldContainer[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    stats: Statistics
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
+    dropped: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Close(_message.Message):
+    __slots__ = ("reason", "last_step", "dropped")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    last_step: int
+    dropped: _containers.ScalarMap[str, int]
+    def __init__(self, reason: _Optional[str] = ..., last_step: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class HaltAck(_message.Message):
+    __slots__ = ("request_id", "current_step")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    current_step: int
+    def __init__(self, request_id: _Optional[int] = ..., current_step: _Optional[int] = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("hello", "manifest", "step", "close", "halt_ack")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    HALT_ACK_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    manifest: Manifest
+    step: StepRecords
+    close: Close
+    halt_ack: HaltAck
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("protocol_version", "last_step_received")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    last_step_received: int
+    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ...) -> None: ...
+
+class Credit(_message.Message):
+    __slots__ = ("max_step", "acked_step")
+    MAX_STEP_FIELD_NUMBER: _ClassVar[int]
+    ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
+    max_step: int
+    acked_step: int
+    def __init__(self, max_step: _Optional[int] = ..., acked_step: _Optional[int] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("kind", "reason", "at_step", "request_id")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Command.Kind]
+        HALT_PREPARE: _ClassVar[Command.Kind]
+        HALT: _ClassVar[Command.Kind]
+    KIND_UNSPECIFIED: Command.Kind
+    HALT_PREPARE: Command.Kind
+    HALT: Command.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: Command.Kind
+    reason: str
+    at_step: int
+    request_id: int
+    def __init__(self, kind: _Optional[_Union[Command.Kind, str]] = ..., reason: _Optional[str] = ..., at_step: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("welcome", "credit", "command", "event")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    credit: Credit
+    command: Command
+    event: Event
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ...) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    baseline: bool
+    framework: str
+    ranks: int
+    last_step: int
+    state: str
+    dropped: int
+    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class Divergence(_message.Message):
+    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_MODULE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    phase: str
+    module: str
+    candidate_module: str
+    metric: str
+    value: float
+    tolerance: float
+    candidate_run: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("runs", "steps_compared")
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    steps_compared: int
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ...) -> None: ...
+
+class AlertNotice(_message.Message):
+    __slots__ = ("level", "message")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    message: str
+    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class HaltNotice(_message.Message):
+    __slots__ = ("reason", "run", "at_step")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    run: str
+    at_step: int
+    def __init__(self, reason: _Optional[str] = ..., run: _Optional[str] = ..., at_step: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("time", "session", "progress", "divergence", "alert", "halt")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    ALERT_FIELD_NUMBER: _ClassVar[int]
+    HALT_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    session: str
+    progress: Progress
+    divergence: Divergence
+    alert: AlertNotice
+    halt: HaltNotice
+    def __init__(self, time: _Optional[float] = ..., session: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., divergence: _Optional[_Union[Divergence, _Mapping]] = ..., alert: _Optional[_Union[AlertNotice, _Mapping]] = ..., halt: _Optional[_Union[HaltNotice, _Mapping]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ModuleRow(_message.Message):
+    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_NAME_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    candidate_name: str
+    metric: str
+    value: float
+    tolerance: float
+    divergent: bool
+    first: bool
+    compared: bool
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ...) -> None: ...
+
+class Report(_message.Message):
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HALTED_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    UNMATCHED_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    UNMATCHED_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    status: str
+    halted: bool
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    steps_compared: int
+    first_divergence: Divergence
+    stage: str
+    tree: _containers.RepeatedCompositeFieldContainer[ModuleRow]
+    unmatched_baseline: _containers.RepeatedScalarFieldContainer[str]
+    unmatched_candidate: _containers.RepeatedScalarFieldContainer[str]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HaltRequest(_message.Message):
+    __slots__ = ("session", "reason")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    reason: str
+    def __init__(self, session: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HaltResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, runs: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""alert stage of the comparison server."""

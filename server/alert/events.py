@@ -1,0 +1,62 @@
+"""Fan-out of live events to watchers, never blocking the publisher.
+
+Each watcher owns a bounded queue; a watcher too slow to keep up loses its
+oldest events (progress is superseded by the next one anyway), never the
+publisher's time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from twinstep.v1 import twinstep_pb2 as pb
+
+_WATCHER_QUEUE = 1024
+
+
+class EventBus:
+    def __init__(self, session: str) -> None:
+        self._session = session
+        self._lock = threading.Lock()
+        self._watchers: set[queue.Queue[pb.Event | None]] = set()
+        self.history: list[pb.Event] = []  # divergences, alerts and halts, replayed to late watchers
+
+    def subscribe(self) -> "queue.Queue[pb.Event | None]":
+        q: queue.Queue[pb.Event | None] = queue.Queue(maxsize=_WATCHER_QUEUE)
+        with self._lock:
+            self._watchers.add(q)
+            for event in self.history[-_WATCHER_QUEUE // 2 :]:
+                q.put_nowait(event)
+        return q
+
+    def unsubscribe(self, q: "queue.Queue[pb.Event | None]") -> None:
+        with self._lock:
+            self._watchers.discard(q)
+
+    def publish(self, event: pb.Event, keep: bool = False) -> None:
+        event.time = time.time()
+        event.session = self._session
+        with self._lock:
+            if keep:
+                self.history.append(event)
+            watchers = list(self._watchers)
+        for q in watchers:  # outside the lock: never hold it across a send
+            try:
+                q.put_nowait(event)
+            except queue.Full:
+                try:
+                    q.get_nowait()
+                    q.put_nowait(event)
+                except (queue.Empty, queue.Full):
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        for q in watchers:
+            try:
+                q.put_nowait(None)
+            except queue.Full:
+                pass

@@ -1,0 +1,1 @@
+"""align stage of the comparison server."""

@@ -1,0 +1,98 @@
+"""Start the comparison server, standalone or embedded (``twinstep.server.serve``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from twinstep.report import report_to_dict
+from twinstep.server.config import ServerConfig
+from twinstep.server.report.builder import build_report
+from twinstep.server.servicer import TwinstepServicer
+from twinstep.server.session import SessionRegistry
+from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("twinstep.server")
+
+#: Largest message accepted from a client (tensor-mode steps); larger ones get RESOURCE_EXHAUSTED.
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+class ServerHandle:
+    """A running server: its address, reports, and a bounded stop."""
+
+    def __init__(self, server: grpc.Server, port: int, host: str, registry: SessionRegistry, stopping: threading.Event) -> None:
+        self._server = server
+        self._stopping = stopping
+        self.port = port
+        self.host = host
+        self.registry = registry
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "[::]", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+    def report(self, session: str) -> dict[str, Any]:
+        """The JSON form of a session's report (KeyError if there is no such session)."""
+        return report_to_dict(self.report_proto(session))
+
+    def report_proto(self, session: str) -> pb.Report:
+        found = self.registry.get(session)
+        if found is None:
+            raise KeyError(f"no session {session!r}")
+        return build_report(found)
+
+    def halt(self, session: str, reason: str = "halted by an operator") -> list[str]:
+        found = self.registry.get(session)
+        return found.halt(reason) if found else []
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Refuse new RPCs now, let running ones end within ``grace`` seconds."""
+        self._stopping.set()
+        for name in self.registry.names():
+            session = self.registry.get(name)
+            if session is not None:
+                session.events.close()
+        self._server.stop(grace).wait(grace + 1.0)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def serve(
+    port: int = 0,
+    host: str = "127.0.0.1",
+    config: ServerConfig | None = None,
+    halt_on_divergence: bool | None = None,
+) -> ServerHandle:
+    """Start a server in this process; ``port=0`` picks a free port (see ``.address``)."""
+    config = config or ServerConfig()
+    if halt_on_divergence is not None:
+        config.halt_on_divergence = halt_on_divergence
+    registry = SessionRegistry(config)
+    stopping = threading.Event()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="twinstep-rpc"),
+        # Each stream and watcher holds a worker; refuse beyond that instead of queueing forever.
+        maximum_concurrent_rpcs=config.max_workers,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", 64 << 20),
+            # Allow clients' 20 s keepalive pings on idle streams.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
+    pb_grpc.add_TwinstepServicer_to_server(TwinstepServicer(registry, stopping), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    server.start()
+    logger.info("twinstep server listening on %s:%d", host, bound)
+    return ServerHandle(server, bound, host, registry, stopping)

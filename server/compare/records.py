@@ -1,0 +1,166 @@
+"""Decode and validate one StepRecords message against its stream's manifest."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twinstep import stats
+from twinstep.codec import WIRE_TO_DTYPE
+from twinstep.server.errors import invalid
+from twinstep.v1 import twinstep_pb2 as pb
+
+PHASE_NAMES = {pb.FORWARD: "forward", pb.LOSS: "loss", pb.BACKWARD: "backward", pb.GRAD: "grad", pb.PARAM: "param"}
+LOSS_NAME = "loss"
+MAX_RECORDS = 2_000_000
+MAX_NDIM = 64
+
+
+@dataclass
+class ParameterMeta:
+    name: str
+    module_type: str
+
+
+@dataclass
+class Manifest:
+    """What one stream has declared: ids -> names (append-only, ids unique)."""
+
+    modules: dict[int, tuple[str, str]] = field(default_factory=dict)  # id -> (name, type)
+    parameters: dict[int, ParameterMeta] = field(default_factory=dict)
+    module_order: list[str] = field(default_factory=list)
+
+    def add(self, message: pb.Manifest) -> None:
+        for module in message.modules:
+            known = self.modules.get(module.id)
+            if known is not None and known != (module.name, module.type):
+                raise invalid(f"manifest redefines module id {module.id} ({known[0]!r} -> {module.name!r})")
+            if known is None:
+                self.modules[module.id] = (module.name, module.type)
+                self.module_order.append(module.name)
+        for param in message.parameters:
+            known_p = self.parameters.get(param.id)
+            if known_p is not None and known_p.name != param.name:
+                raise invalid(f"manifest redefines parameter id {param.id} ({known_p.name!r} -> {param.name!r})")
+            if not param.name:
+                raise invalid(f"manifest parameter id {param.id} has no name")
+            self.parameters[param.id] = ParameterMeta(param.name, param.module_type)
+
+
+@dataclass
+class StepData:
+    """All records of one (run, rank, step), as arrays plus per-record names."""
+
+    step: int
+    rank: int
+    phase: np.ndarray  # int, pb.Phase values
+    names: list[str]
+    types: list[str]  # module type (FORWARD/BACKWARD) or owning module type (GRAD/PARAM)
+    call_index: np.ndarray
+    slot: np.ndarray
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    table: dict[str, np.ndarray]
+    payloads: dict[int, pb.TensorPayload]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
+    """Validate a step against the manifest; raises InputError naming the first problem."""
+    n = len(message.phase)
+    if n > MAX_RECORDS:
+        raise invalid(f"step {message.step} has {n} records, over the limit of {MAX_RECORDS}")
+    columns = {
+        "target": message.target,
+        "call_index": message.call_index,
+        "slot": message.slot,
+        "dtype": message.dtype,
+        "ndim": message.ndim,
+        "stats.count": message.stats.count,
+        "stats.sum": message.stats.sum,
+        "stats.sum_sq": message.stats.sum_sq,
+        "stats.min": message.stats.min,
+        "stats.max": message.stats.max,
+        "stats.abs_max": message.stats.abs_max,
+        "stats.nan_count": message.stats.nan_count,
+        "stats.inf_count": message.stats.inf_count,
+    }
+    for column, values in columns.items():
+        if len(values) != n:
+            raise invalid(f"step {message.step}: column {column} has {len(values)} entries, phase has {n}")
+    ndim = np.asarray(message.ndim, dtype=np.int64)
+    if n and ndim.max() > MAX_NDIM:
+        raise invalid(f"step {message.step}: a record claims {int(ndim.max())} dimensions")
+    if int(ndim.sum()) != len(message.dims):
+        raise invalid(f"step {message.step}: ndim adds up to {int(ndim.sum())} dims, {len(message.dims)} given")
+    dims = list(message.dims)
+    if any(d < 0 for d in dims):
+        raise invalid(f"step {message.step}: negative dimension")
+    shapes: list[tuple[int, ...]] = []
+    offset = 0
+    for k in ndim.tolist():
+        shapes.append(tuple(dims[offset : offset + k]))
+        offset += k
+
+    phases = np.asarray(message.phase, dtype=np.int64)
+    names: list[str] = []
+    types: list[str] = []
+    dtypes: list[str] = []
+    for i, (phase, target, dtype) in enumerate(zip(message.phase, message.target, message.dtype)):
+        if phase in (pb.FORWARD, pb.BACKWARD):
+            module = manifest.modules.get(target)
+            if module is None:
+                raise invalid(f"step {message.step}: record {i} names module id {target}, absent from the manifest")
+            names.append(module[0])
+            types.append(module[1])
+        elif phase in (pb.GRAD, pb.PARAM):
+            param = manifest.parameters.get(target)
+            if param is None:
+                raise invalid(f"step {message.step}: record {i} names parameter id {target}, absent from the manifest")
+            names.append(param.name)
+            types.append(param.module_type)
+        elif phase == pb.LOSS:
+            names.append(LOSS_NAME)
+            types.append("")
+        else:
+            raise invalid(f"step {message.step}: record {i} has unknown phase {phase}")
+        name = WIRE_TO_DTYPE.get(dtype)
+        if name is None:
+            raise invalid(f"step {message.step}: record {i} has unknown dtype {dtype}")
+        dtypes.append(name)
+
+    count = np.asarray(message.stats.count, dtype=np.int64)
+    if n and any(c != math.prod(s) for c, s in zip(count.tolist(), shapes)):
+        bad = next(i for i, (c, s) in enumerate(zip(count.tolist(), shapes)) if c != math.prod(s))
+        raise invalid(f"step {message.step}: record {bad} ({names[bad]!r}) counts {count[bad]} elements, shape {list(shapes[bad])}")
+    table = stats.empty_table(n)
+    table["count"] = count
+    for name in ("sum", "sum_sq", "min", "max", "abs_max"):
+        table[name] = np.asarray(getattr(message.stats, name), dtype=np.float64)
+    table["nan_count"] = np.asarray(message.stats.nan_count, dtype=np.int64)
+    table["inf_count"] = np.asarray(message.stats.inf_count, dtype=np.int64)
+
+    payloads: dict[int, pb.TensorPayload] = {}
+    for payload in message.tensors:
+        if payload.record >= n:
+            raise invalid(f"step {message.step}: tensor payload for record {payload.record}, only {n} records")
+        payloads[payload.record] = payload
+    return StepData(
+        step=message.step,
+        rank=message.rank,
+        phase=phases,
+        names=names,
+        types=types,
+        call_index=np.asarray(message.call_index, dtype=np.int64),
+        slot=np.asarray(message.slot, dtype=np.int64),
+        dtypes=dtypes,
+        shapes=shapes,
+        table=table,
+        payloads=payloads,
+        nbytes=message.ByteSize(),
+    )

@@ -1,0 +1,82 @@
+"""Server configuration: defaults, YAML file, and command-line overrides."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from twinstep.server.compare.mapping import NameMapping
+from twinstep.server.compare.tolerance import ToleranceConfig
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    window_steps: int = 256
+    """Unmatched steps held per run and rank before the oldest is dropped (and the run is slowed by credit)."""
+    window_bytes: int = 1 << 30
+    """Bytes of unmatched steps held per run and rank (tensor mode)."""
+    halt_on_divergence: bool = False
+    """Send HALT to every process of every run of a session once its first divergence is declared."""
+    halt_prepare_timeout: float = 2.0
+    """Seconds to wait for every rank's current step before naming the halt step."""
+    tolerances: ToleranceConfig = field(default_factory=ToleranceConfig)
+    mapping: NameMapping = field(default_factory=NameMapping)
+    max_workers: int = 256
+    """gRPC handler threads: each training process and each watcher holds one."""
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1:
+            raise ValueError("window_steps must be at least 1")
+        if self.window_bytes < 1:
+            raise ValueError("window_bytes must be positive")
+        if self.max_workers < 4:
+            raise ValueError("max_workers must be at least 4")
+
+
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "max_workers"}
+
+
+def load_config(path: str | pathlib.Path) -> ServerConfig:
+    """Read a YAML config; raises ValueError naming the file and option at fault."""
+    path = pathlib.Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read config {path}: {exc}") from None
+    return config_from_dict(data, base_dir=path.parent, where=str(path))
+
+
+def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), where: str = "config") -> ServerConfig:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping at the top level")
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown options {sorted(unknown)} (known: {sorted(_KEYS)})")
+    mapping_data = data.get("mapping")
+    if "mapping_file" in data:
+        mapping_path = base_dir / str(data["mapping_file"])
+        try:
+            mapping_data = yaml.safe_load(mapping_path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{where}: cannot read mapping_file {mapping_path}: {exc}") from None
+    kwargs: dict[str, Any] = {
+        "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
+        "mapping": NameMapping.from_dict(mapping_data, f"{where}: mapping"),
+    }
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int)):
+        if key in data:
+            try:
+                kwargs[key] = kind(data[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: {key} must be a number, got {data[key]!r}") from None
+    if "halt_on_divergence" in data:
+        if not isinstance(data["halt_on_divergence"], bool):
+            raise ValueError(f"{where}: halt_on_divergence must be true or false")
+        kwargs["halt_on_divergence"] = data["halt_on_divergence"]
+    try:
+        return ServerConfig(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

@@ -1,0 +1,1 @@
+"""detect stage of the comparison server."""

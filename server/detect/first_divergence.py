@@ -1,0 +1,65 @@
+"""Declare the first divergence only when no earlier one can still appear.
+
+Order: earliest step; within a step forward, loss, backward, grad, param;
+within a phase the baseline's record order (outputs in the order they were
+produced, gradients in the order backward produced them); then rank.  A
+divergence at step s is declared once, for every rank, both runs have
+delivered step s or ended, so a slow rank cannot hide an earlier divergence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.compare.records import PHASE_NAMES
+
+_PHASE_ORDER = {name: i for i, name in enumerate(PHASE_NAMES.values())}
+
+
+@dataclass
+class Candidate:
+    key: tuple[int, int, int, int]
+    row: Row
+    comparison: StepComparison
+
+
+class FirstDivergenceTracker:
+    """Per candidate run: the earliest divergence seen, and whether it is declared."""
+
+    def __init__(self) -> None:
+        self._best: dict[str, Candidate] = {}
+        self.declared: dict[str, Candidate] = {}
+        self._compared: dict[str, dict[int, set[int]]] = {}
+
+    def add(self, comparison: StepComparison) -> None:
+        self._compared.setdefault(comparison.candidate_run, {}).setdefault(comparison.step, set()).add(comparison.rank)
+        row = comparison.first
+        if row is None or comparison.candidate_run in self.declared:
+            return
+        position = comparison.rows.index(row)
+        key = (comparison.step, _PHASE_ORDER[row.phase], position, comparison.rank)
+        best = self._best.get(comparison.candidate_run)
+        if best is None or key < best.key:
+            self._best[comparison.candidate_run] = Candidate(key, row, comparison)
+
+    def declare(self, frontier: dict[str, float]) -> list[Candidate]:
+        """Candidates whose divergence step is at or below their run's frontier; each once."""
+        newly = []
+        for run, best in list(self._best.items()):
+            if run not in self.declared and best.key[0] <= frontier.get(run, -1):
+                self.declared[run] = best
+                newly.append(best)
+        return newly
+
+    def first(self) -> Candidate | None:
+        if not self.declared:
+            return None
+        return min(self.declared.values(), key=lambda c: c.key)
+
+    def steps_compared(self, world_size: int) -> int:
+        """Steps compared on every rank, for the candidate that got furthest."""
+        return max(
+            (sum(1 for ranks in steps.values() if len(ranks) >= world_size) for steps in self._compared.values()),
+            default=0,
+        )

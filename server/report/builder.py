@@ -1,0 +1,112 @@
+"""Build the Report of a session: verdict, runs, and the module tree around the first divergence."""
+
+from __future__ import annotations
+
+from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.session import Session
+from twinstep.v1 import twinstep_pb2 as pb
+
+_STAGES = {
+    "forward": "forward: a module's output differs on the same weights and inputs; the first differing module is the suspect",
+    "loss": "loss: model outputs match but the loss differs; check the loss function and its reduction",
+    "backward": "backward: forward matches, the gradient with respect to a module output differs; check that module's backward",
+    "grad": "backward: forward and output gradients match, a parameter gradient differs; check that parameter's use",
+    "param": "optimizer: forward and gradients match, parameters after the update differ; check learning rate, "
+    "betas, epsilon, weight decay and clipping",
+}
+_MAX_ROWS = 60
+
+
+def build_report(session: Session) -> pb.Report:
+    with session.lock:
+        first = session.tracker.first()
+        report = pb.Report(
+            session=session.name,
+            status=session.status(),
+            halted=session.halted,
+            runs=session.run_status(),
+            steps_compared=session.steps_compared(),
+            unmatched_baseline=list(session.unmatched_baseline),
+            unmatched_candidate=list(session.unmatched_candidate),
+            errors=list(session.errors),
+        )
+        if first is not None:
+            row, comparison = first.row, first.comparison
+            report.first_divergence.CopyFrom(
+                pb.Divergence(
+                    step=comparison.step,
+                    rank=comparison.rank,
+                    phase=row.phase,
+                    module=row.name,
+                    candidate_module=row.candidate_name,
+                    metric=row.metric,
+                    value=row.value,
+                    tolerance=row.tolerance,
+                    candidate_run=comparison.candidate_run,
+                )
+            )
+            report.stage = _STAGES.get(row.phase, row.phase)
+            report.tree.extend(_tree_rows(comparison, row))
+        elif session.last_comparison is not None:
+            report.tree.extend(_tree_rows(session.last_comparison, None))
+    return report
+
+
+def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleRow]:
+    """Rows of the phase of interest, narrowed to the neighbourhood of ``first`` when large."""
+    phase = first.phase if first else "forward"
+    in_phase = [r for r in comparison.rows if r.phase == phase]
+    rows = [r for r in in_phase if (r.call_index == 0 and r.slot == 0) or r is first]
+    order = _first_positions([r.name for r in in_phase])
+    rows.sort(key=lambda r: _tree_key(r.name, order))
+    if first is not None and len(rows) > _MAX_ROWS:
+        keep = _neighbourhood(first.name)
+        rows = [r for r in rows if r is first or _parent(r.name) in keep or r.name in keep]
+    return [
+        pb.ModuleRow(
+            name=r.name,
+            type=r.type,
+            candidate_name=r.candidate_name,
+            metric=r.metric,
+            value=r.value,
+            tolerance=r.tolerance,
+            divergent=r.divergent,
+            first=r is first,
+            compared=True,
+        )
+        for r in rows[: _MAX_ROWS * 2]
+    ]
+
+
+def _first_positions(names: list[str]) -> dict[str, int]:
+    """For every module path, the first record at or below it (production order)."""
+    first: dict[str, int] = {}
+    for position, name in enumerate(names):
+        path = name
+        while True:
+            first.setdefault(path, position)
+            if not path:
+                break
+            path = _parent(path)
+    return first
+
+
+def _tree_key(name: str, first: dict[str, int]) -> tuple[int, ...]:
+    """Parents before children, siblings in the order their subtrees first ran."""
+    if not name:
+        return ()
+    parts = name.split(".")
+    return tuple(first.get(".".join(parts[: i + 1]), 0) for i in range(len(parts)))
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _neighbourhood(name: str) -> set[str]:
+    """The module, its ancestors (whose children are shown too) and the root."""
+    keep = {"", name}
+    while name:
+        name = _parent(name)
+        keep.add(name)
+    return keep

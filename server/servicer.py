@@ -1,0 +1,124 @@
+"""gRPC servicer: protocol handling only; state lives in sessions."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Iterator
+
+import grpc
+
+from twinstep.server.connection import Connection, StreamEnd, StreamFailure
+from twinstep.server.errors import InputError, invalid
+from twinstep.server.report.builder import build_report
+from twinstep.server.session import Session, SessionRegistry
+from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("twinstep.server")
+_POLL = 0.5
+
+
+class TwinstepServicer(pb_grpc.TwinstepServicer):
+    def __init__(self, registry: SessionRegistry, stopping: threading.Event) -> None:
+        self.registry = registry
+        self._stopping = stopping
+
+    # -- training processes -------------------------------------------------------
+
+    def Stream(self, request_iterator: Iterator[pb.ClientMessage], context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
+        conn = Connection(context.peer())
+        context.add_callback(conn.finish)  # the client left: stop yielding
+        reader = threading.Thread(
+            target=self._read, args=(request_iterator, conn), name="twinstep-stream-reader", daemon=True
+        )
+        reader.start()
+        while True:
+            item = conn.next(_POLL)
+            if item is None:
+                if not context.is_active():
+                    return
+                continue
+            if isinstance(item, StreamFailure):
+                context.abort(item.code, item.details)
+            if isinstance(item, StreamEnd):
+                return
+            yield item
+
+    def _read(self, requests: Iterator[pb.ClientMessage], conn: Connection) -> None:
+        session: Session | None = None
+        try:
+            for message in requests:
+                kind = message.WhichOneof("body")
+                if session is None:
+                    if kind != "hello":
+                        raise InputError(grpc.StatusCode.FAILED_PRECONDITION, f"first message must be hello, got {kind or 'an empty message'}")
+                    session = self.registry.get_or_create(message.hello.session)
+                    conn.send(session.join(conn, message.hello))
+                elif kind == "manifest":
+                    session.add_manifest(conn, message.manifest)
+                elif kind == "step":
+                    session.add_step(conn, message.step)
+                elif kind == "halt_ack":
+                    session.halt_ack(conn, message.halt_ack)
+                elif kind == "close":
+                    session.close_stream(conn, message.close)
+                elif kind == "hello":
+                    raise invalid("hello sent twice on one stream")
+                else:
+                    raise invalid("empty client message")
+            conn.finish()
+        except InputError as error:
+            label = conn.label if session else conn.peer
+            logger.warning("rejected stream %s: %s", label, error.message)
+            conn.fail(error.code, error.message)
+            if session is not None:
+                session.events.publish(
+                    pb.Event(alert=pb.AlertNotice(level="error", message=f"{label}: {error.message}")), keep=True
+                )
+        except grpc.RpcError:
+            conn.finish()  # the client went away
+        except Exception:  # a server bug must end one stream, not the server
+            logger.exception("internal error on stream %s", conn.peer)
+            conn.fail(grpc.StatusCode.INTERNAL, "internal server error (see the server log)")
+        finally:
+            if session is not None:
+                session.leave(conn)
+
+    # -- observers ------------------------------------------------------------------------
+
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        if not request.session:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "watch needs a session name")
+        session = self.registry.get_or_create(request.session)
+        events = session.events.subscribe()
+        context.add_callback(lambda: events.put(None) if not events.full() else None)
+        try:
+            yield pb.Event(session=session.name, progress=pb.Progress(runs=session.run_status(), steps_compared=session.steps_compared()))
+            while context.is_active() and not self._stopping.is_set():
+                try:
+                    event = events.get(timeout=_POLL)
+                except queue.Empty:
+                    continue
+                if event is None:
+                    return
+                yield event
+        finally:
+            session.events.unsubscribe(events)
+
+    def GetReport(self, request: pb.ReportRequest, context: grpc.ServicerContext) -> pb.Report:
+        session = self.registry.get(request.session)
+        if session is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no session {request.session!r} on this server (sessions: {', '.join(self.registry.names()) or 'none'})",
+            )
+        return build_report(session)
+
+    def Halt(self, request: pb.HaltRequest, context: grpc.ServicerContext) -> pb.HaltResponse:
+        session = self.registry.get(request.session)
+        if session is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server")
+        runs = session.halt(request.reason or "halted by an operator")
+        return pb.HaltResponse(runs=runs)

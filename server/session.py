@@ -1,0 +1,466 @@
+"""Sessions: the runs that joined, their per-rank alignment, and the verdict.
+
+A session is created by the first Hello naming it.  One run is the baseline,
+the others are candidates.  All state changes happen under the session's lock;
+messages to clients and watchers are queued, never sent under it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from twinstep._version import PROTOCOL_VERSION
+from twinstep.server.align.window import RankAligner
+from twinstep.server.alert.events import EventBus
+from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
+from twinstep.server.compare.records import Manifest, decode_step
+from twinstep.server.config import ServerConfig
+from twinstep.server.connection import Connection
+from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
+from twinstep.server.errors import InputError, invalid
+from twinstep.v1 import twinstep_pb2 as pb
+
+logger = logging.getLogger("twinstep.server")
+
+_INF = float("inf")
+_PROGRESS_INTERVAL = 0.25
+_MAX_LISTED = 200
+_ENDED = ("finished", "halted", "lost")
+
+
+@dataclass
+class RankState:
+    connection: Connection | None = None
+    state: str = "streaming"
+    last_step: int = -1
+    client_dropped: int = 0
+    manifest: Manifest = field(default_factory=Manifest)
+
+
+@dataclass
+class RunState:
+    name: str
+    baseline: bool
+    framework: str
+    framework_version: str
+    world_size: int
+    capture: str
+    max_lead: int
+    ranks: dict[int, RankState] = field(default_factory=dict)
+
+    @property
+    def state(self) -> str:
+        states = {r.state for r in self.ranks.values()}
+        if "streaming" in states or not states:
+            return "streaming"
+        for final in ("halted", "lost"):
+            if final in states:
+                return final
+        return "finished"
+
+    @property
+    def last_step(self) -> int:
+        return max((r.last_step for r in self.ranks.values()), default=-1)
+
+    def effective_step(self, rank: int) -> float:
+        """Highest step this rank will ever have delivered by now (inf once its stream ended)."""
+        state = self.ranks.get(rank)
+        if state is None:
+            return -1
+        return _INF if state.state in _ENDED else state.last_step
+
+
+class Session:
+    def __init__(self, name: str, config: ServerConfig) -> None:
+        self.name = name
+        self.config = config
+        self.created = time.time()
+        self.lock = threading.RLock()
+        self.runs: dict[str, RunState] = {}
+        self.baseline: str | None = None
+        self.aligners: dict[int, RankAligner] = {}
+        self.tracker = FirstDivergenceTracker()
+        self.events = EventBus(name)
+        self.halted = False
+        self.halt_reason = ""
+        self.errors: list[str] = []
+        self.last_comparison: StepComparison | None = None
+        self.unmatched_baseline: dict[str, None] = {}
+        self.unmatched_candidate: dict[str, None] = {}
+        self._last_progress = 0.0
+        self._halt_ids = itertools.count(1)
+        self._halt_acks: dict[int, dict[int, int]] = {}
+        self._halt_cond = threading.Condition(self.lock)
+
+    # -- membership -------------------------------------------------------------
+
+    @property
+    def candidates(self) -> list[str]:
+        return [name for name, run in self.runs.items() if not run.baseline]
+
+    def join(self, conn: Connection, hello: pb.Hello) -> pb.ServerMessage:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise InputError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"unsupported protocol version {hello.protocol_version}; this server speaks {PROTOCOL_VERSION}",
+            )
+        if not hello.run:
+            raise invalid("hello needs a run name")
+        if hello.world_size < 1 or hello.rank >= hello.world_size:
+            raise invalid(f"rank {hello.rank} is outside world size {hello.world_size}")
+        with self.lock:
+            run = self.runs.get(hello.run)
+            if hello.baseline and self.baseline not in (None, hello.run):
+                raise InputError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"session {self.name!r} already has baseline run {self.baseline!r}; "
+                    f"join {hello.run!r} as a candidate (baseline=False) or use another session",
+                )
+            if run is None:
+                run = RunState(
+                    name=hello.run,
+                    baseline=hello.baseline,
+                    framework=hello.framework,
+                    framework_version=hello.framework_version,
+                    world_size=hello.world_size,
+                    capture=hello.capture,
+                    max_lead=hello.max_lead,
+                )
+                self.runs[hello.run] = run
+                if hello.baseline:
+                    self.baseline = hello.run
+            elif run.baseline != hello.baseline or run.world_size != hello.world_size or run.framework != hello.framework:
+                raise InputError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"run {hello.run!r} joined as baseline={run.baseline}, world_size={run.world_size}, "
+                    f"framework={run.framework!r}; this process says baseline={hello.baseline}, "
+                    f"world_size={hello.world_size}, framework={hello.framework!r}",
+                )
+            rank_state = run.ranks.get(hello.rank)
+            if rank_state is None:
+                rank_state = run.ranks[hello.rank] = RankState()
+            elif rank_state.connection is not None and rank_state.connection is not conn:
+                # A reconnect whose old stream is not yet known dead: the newest wins.
+                rank_state.connection.finish()
+            rank_state.connection = conn
+            rank_state.state = "streaming"
+            rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
+            conn.session, conn.run, conn.rank = self.name, hello.run, hello.rank
+            aligner = self._aligner(hello.rank)
+            aligner.reopen(hello.run)
+            received = aligner.delivered(hello.run)
+            halted = self.halted
+        logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework, hello.framework_version)
+        self._publish_progress(force=True)
+        if halted:
+            conn.send(_halt_command(-1, self.halt_reason))
+        else:
+            self._update_credits(hello.rank)
+        return pb.ServerMessage(welcome=pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received))
+
+    def leave(self, conn: Connection) -> None:
+        """The stream of ``conn`` ended, cleanly (after Close) or not."""
+        with self.lock:
+            run = self.runs.get(conn.run or "")
+            if run is None:
+                return
+            rank_state = run.ranks.get(conn.rank)
+            if rank_state is None or rank_state.connection is not conn:
+                return  # replaced by a newer stream
+            rank_state.connection = None
+            if not conn.closed_cleanly:
+                rank_state.state = "lost"
+            self._aligner(conn.rank).finish(run.name, self.baseline, self.candidates)
+            declared = self._declare()
+        self._announce(declared)
+        self._update_credits(conn.rank)
+        self._publish_progress(force=True)
+
+    def close_stream(self, conn: Connection, message: pb.Close) -> None:
+        with self.lock:
+            rank_state = self._rank_state(conn)
+            conn.closed_cleanly = True
+            conn.close_reason = message.reason
+            rank_state.state = "halted" if message.reason == "halted" else "finished"
+            rank_state.client_dropped = sum(message.dropped.values())
+
+    # -- data -----------------------------------------------------------------------
+
+    def add_manifest(self, conn: Connection, message: pb.Manifest) -> None:
+        with self.lock:
+            self._rank_state(conn).manifest.add(message)
+
+    def add_step(self, conn: Connection, message: pb.StepRecords) -> None:
+        if message.rank != conn.rank:
+            raise invalid(f"step {message.step} says rank {message.rank}, but this stream joined as rank {conn.rank}")
+        if message.step < 0:
+            raise invalid(f"negative step {message.step}")
+        with self.lock:
+            rank_state = self._rank_state(conn)
+            data = decode_step(message, rank_state.manifest)
+            rank_state.client_dropped = sum(message.dropped.values())
+            if data.step > rank_state.last_step:
+                rank_state.last_step = data.step
+            pairs = self._aligner(conn.rank).add(conn.run or "", data, self.baseline, self.candidates)
+            for candidate_run, base_step, cand_step in pairs:
+                self._compare(candidate_run, base_step, cand_step)
+            declared = self._declare()
+        self._announce(declared)
+        self._update_credits(conn.rank)
+        self._publish_progress()
+
+    def _compare(self, candidate_run: str, base_step, cand_step) -> None:
+        base_run = self.runs[self.baseline or ""]
+        ctx = CompareContext(
+            base_framework=base_run.framework,
+            cand_framework=self.runs[candidate_run].framework,
+            candidate_run=candidate_run,
+            tolerances=self.config.tolerances,
+            mapping=self.config.mapping,
+        )
+        comparison = compare_step(base_step, cand_step, ctx)
+        self.tracker.add(comparison)
+        self.last_comparison = comparison
+        for name in comparison.unmatched_baseline:
+            if len(self.unmatched_baseline) < _MAX_LISTED:
+                self.unmatched_baseline[name] = None
+        for name in comparison.unmatched_candidate:
+            if len(self.unmatched_candidate) < _MAX_LISTED:
+                self.unmatched_candidate[name] = None
+        for error in comparison.errors:
+            self._error(error)
+
+    def _declare(self) -> list[Candidate]:
+        """Declare divergences no earlier one can precede any more (caller holds the lock)."""
+        if self.baseline is None:
+            return []
+        base = self.runs[self.baseline]
+        frontier: dict[str, float] = {}
+        for name in self.candidates:
+            cand = self.runs[name]
+            ranks = range(min(base.world_size, cand.world_size))
+            frontier[name] = min(
+                (min(base.effective_step(r), cand.effective_step(r)) for r in ranks), default=-1
+            )
+        return self.tracker.declare(frontier)
+
+    def _announce(self, declared: list[Candidate]) -> None:
+        for found in declared:
+            row, comparison = found.row, found.comparison
+            divergence = pb.Divergence(
+                step=comparison.step,
+                rank=comparison.rank,
+                phase=row.phase,
+                module=row.name,
+                candidate_module=row.candidate_name,
+                metric=row.metric,
+                value=row.value,
+                tolerance=row.tolerance,
+                candidate_run=comparison.candidate_run,
+            )
+            logger.warning(
+                "session %s: first divergence of run %r at step %d rank %d, %s of %r: %s %.3g > %.3g",
+                self.name, comparison.candidate_run, comparison.step, comparison.rank, row.phase,
+                row.name or "(model)", row.metric, row.value, row.tolerance,
+            )
+            event = pb.Event(divergence=divergence)
+            self.events.publish(event, keep=True)
+            self._broadcast(pb.ServerMessage(event=event))
+            if self.config.halt_on_divergence:
+                self.halt(
+                    f"divergence at step {comparison.step}, {row.phase} of {row.name or '(model)'!r} "
+                    f"({row.metric} {row.value:.3g} > {row.tolerance:.3g})"
+                )
+
+    # -- flow control -------------------------------------------------------------
+
+    def _update_credits(self, rank: int) -> None:
+        """Tell every stream of this rank how far it may run ahead."""
+        updates = []
+        with self.lock:
+            for run in self.runs.values():
+                state = run.ranks.get(rank)
+                if state is None or state.connection is None:
+                    continue
+                lead = run.max_lead or self.config.window_steps
+                others = [other.ranks[rank] for other in self.runs.values() if other is not run and rank in other.ranks]
+                streaming = [other.last_step for other in others if other.state == "streaming"]
+                if streaming:
+                    pace = min(streaming)
+                elif others or not run.max_lead:
+                    pace = state.last_step  # nobody left to wait for
+                else:
+                    pace = -1  # lockstep: wait for the other runs to join
+                updates.append((state.connection, pace + lead, state.last_step))
+        for conn, max_step, acked in updates:
+            conn.set_credit(max_step, acked)
+
+    # -- halt --------------------------------------------------------------------------
+
+    def halt(self, reason: str) -> list[str]:
+        """Halt every connected process of every run; ranks of one run stop at one step."""
+        with self.lock:
+            if self.halted:
+                return []
+            self.halted = True
+            self.halt_reason = reason
+            plan = [
+                (run.name, [s.connection for s in run.ranks.values() if s.connection is not None])
+                for run in self.runs.values()
+            ]
+        logger.warning("session %s: halting all runs: %s", self.name, reason)
+        halted_runs = []
+        for run_name, conns in plan:
+            if not conns:
+                continue
+            halted_runs.append(run_name)
+            if len(conns) == 1 and self.runs[run_name].world_size == 1:
+                conns[0].send(_halt_command(-1, reason))
+                self.events.publish(pb.Event(halt=pb.HaltNotice(reason=reason, run=run_name, at_step=-1)), keep=True)
+            else:
+                threading.Thread(
+                    target=self._coordinate_halt, args=(run_name, conns, reason), name="twinstep-halt", daemon=True
+                ).start()
+        return halted_runs
+
+    def _coordinate_halt(self, run_name: str, conns: list[Connection], reason: str) -> None:
+        """Ask every rank for its current step, then halt all at one step past the furthest."""
+        request_id = next(self._halt_ids)
+        with self.lock:
+            self._halt_acks[request_id] = {}
+        prepare = pb.ServerMessage(
+            command=pb.Command(kind=pb.Command.HALT_PREPARE, reason=reason, request_id=request_id)
+        )
+        for conn in conns:
+            conn.send(prepare)
+        deadline = time.monotonic() + self.config.halt_prepare_timeout
+        with self._halt_cond:
+            while len(self._halt_acks[request_id]) < len(conns):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._halt_cond.wait(remaining)
+            acks = self._halt_acks.pop(request_id)
+        # One step of slack: a rank may finish the step it reported before HALT arrives.
+        at_step = max(acks.values()) + 1 if acks else -1
+        if len(acks) < len(conns):
+            logger.warning("session %s: %d of %d ranks of %r answered the halt; halting at step %d", self.name, len(acks), len(conns), run_name, at_step)
+        for conn in conns:
+            conn.send(_halt_command(at_step, reason))
+        self.events.publish(pb.Event(halt=pb.HaltNotice(reason=reason, run=run_name, at_step=at_step)), keep=True)
+
+    def halt_ack(self, conn: Connection, ack: pb.HaltAck) -> None:
+        with self._halt_cond:
+            acks = self._halt_acks.get(ack.request_id)
+            if acks is not None:
+                acks[conn.rank] = ack.current_step
+                self._halt_cond.notify_all()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _aligner(self, rank: int) -> RankAligner:
+        aligner = self.aligners.get(rank)
+        if aligner is None:
+            aligner = self.aligners[rank] = RankAligner(rank, self.config.window_steps, self.config.window_bytes)
+        return aligner
+
+    def _rank_state(self, conn: Connection) -> RankState:
+        run = self.runs.get(conn.run or "")
+        state = run.ranks.get(conn.rank) if run else None
+        if state is None or state.connection is not conn:
+            raise InputError(grpc.StatusCode.FAILED_PRECONDITION, "stream is not joined (send Hello first)")
+        return state
+
+    def _error(self, message: str) -> None:
+        if len(self.errors) < _MAX_LISTED:
+            self.errors.append(message)
+        logger.warning("session %s: %s", self.name, message)
+        self.events.publish(pb.Event(alert=pb.AlertNotice(level="error", message=message)), keep=True)
+
+    def _broadcast(self, message: pb.ServerMessage) -> None:
+        with self.lock:
+            conns = [s.connection for run in self.runs.values() for s in run.ranks.values() if s.connection]
+        for conn in conns:
+            conn.send(message)
+
+    def run_status(self) -> list[pb.RunStatus]:
+        with self.lock:
+            out = []
+            for run in self.runs.values():
+                server_dropped = sum(a.dropped(run.name) for a in self.aligners.values())
+                client_dropped = sum(r.client_dropped for r in run.ranks.values())
+                out.append(
+                    pb.RunStatus(
+                        name=run.name,
+                        baseline=run.baseline,
+                        framework=run.framework,
+                        ranks=run.world_size,
+                        last_step=run.last_step,
+                        state=run.state,
+                        dropped=server_dropped + client_dropped,
+                    )
+                )
+            return out
+
+    def _publish_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_progress < _PROGRESS_INTERVAL:
+            return
+        self._last_progress = now
+        with self.lock:
+            progress = pb.Progress(runs=self.run_status(), steps_compared=self.steps_compared())
+        self.events.publish(pb.Event(progress=progress))
+
+    def steps_compared(self) -> int:
+        with self.lock:
+            world = max((run.world_size for run in self.runs.values()), default=1)
+            if self.baseline is not None:
+                world = self.runs[self.baseline].world_size
+            return self.tracker.steps_compared(world)
+
+    def status(self) -> str:
+        with self.lock:
+            if self.tracker.first() is not None:
+                return "diverged"
+            runs = list(self.runs.values())
+            if runs and self.baseline and self.candidates and all(r.state in _ENDED for r in runs) and self.steps_compared() > 0:
+                return "aligned"
+            return "running"
+
+
+def _halt_command(at_step: int, reason: str) -> pb.ServerMessage:
+    return pb.ServerMessage(command=pb.Command(kind=pb.Command.HALT, reason=reason, at_step=at_step))
+
+
+class SessionRegistry:
+    """All sessions of one server, created on first mention."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    def get(self, name: str) -> Session | None:
+        with self._lock:
+            return self._sessions.get(name)
+
+    def get_or_create(self, name: str) -> Session:
+        if not name:
+            raise invalid("session name must not be empty")
+        if len(name) > 256:
+            raise invalid("session name longer than 256 characters")
+        with self._lock:
+            session = self._sessions.get(name)
+            if session is None:
+                session = self._sessions[name] = Session(name, self.config)
+            return session
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
