@@ -19,9 +19,6 @@ from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("twinstep.server")
 
-#: Largest message accepted from a client (tensor-mode steps); larger ones get RESOURCE_EXHAUSTED.
-MAX_MESSAGE_BYTES = 256 << 20
-
 
 class ServerHandle:
     """A running server: its address, reports, and a bounded stop."""
@@ -82,7 +79,7 @@ def serve(
         # Each stream and watcher holds a worker; refuse beyond that instead of queueing forever.
         maximum_concurrent_rpcs=config.max_workers,
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", 64 << 20),
             # Allow clients' 20 s keepalive pings on idle streams.
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

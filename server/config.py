@@ -26,6 +26,8 @@ class ServerConfig:
     mapping: NameMapping = field(default_factory=NameMapping)
     max_workers: int = 256
     """gRPC handler threads: each training process and each watcher holds one."""
+    max_message_bytes: int = 256 << 20
+    """Largest client message accepted; larger ones end that stream with RESOURCE_EXHAUSTED."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -36,7 +38,7 @@ class ServerConfig:
             raise ValueError("max_workers must be at least 4")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "max_workers"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "max_workers", "max_message_bytes"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -66,7 +68,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": NameMapping.from_dict(mapping_data, f"{where}: mapping"),
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])

@@ -167,3 +167,7 @@ def _demo(args: argparse.Namespace) -> int:
     from twinstep.demo.run import run_demo
 
     return run_demo(bug=None if args.no_bug else args.bug, steps=args.steps, capture=args.capture)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -115,6 +115,7 @@ class StreamClient:
         self._close_message: pb.ClientMessage | None = None
         self._stopped = threading.Event()  # give up now
         self._finished = threading.Event()  # Close went out and the server ended the stream
+        self._wake = threading.Event()  # interrupts the reconnect backoff when closing
         self._worker: threading.Thread | None = None
         self._call: grpc.Future | None = None
         self._pid = os.getpid()
@@ -201,6 +202,7 @@ class StreamClient:
             )
             worker = self._worker
             self._cond.notify_all()
+        self._wake.set()
         if worker is not None:
             worker.join(timeout)
         self._stopped.set()
@@ -220,6 +222,7 @@ class StreamClient:
 
     def _run(self) -> None:
         backoff = self._config.backoff_initial
+        final_attempt = False
         options = [
             # Tensor-mode steps are large: raise gRPC's 4 MiB default both ways.
             ("grpc.max_send_message_length", self._config.max_message_bytes),
@@ -270,10 +273,13 @@ class StreamClient:
                     self._manifest_sent = (0, 0)
                     self.stats.connected = False
                     self._cond.notify_all()
-            if self._closing and not self._steps:
-                return  # nothing left worth a reconnect
-            self._stopped.wait(backoff * random.uniform(0.8, 1.2))
-            backoff = min(backoff * 2, self._config.backoff_max)
+            if self._closing:
+                if final_attempt or not self._steps:
+                    return  # closing while the server is away: one last try, no backoff loop
+                final_attempt = True
+            else:
+                self._wake.wait(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, self._config.backoff_max)
             self.stats.reconnects += 1
 
     def _handle(self, response: pb.ServerMessage) -> bool:
