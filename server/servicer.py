@@ -54,8 +54,11 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                 if session is None:
                     if kind != "hello":
                         raise InputError(grpc.StatusCode.FAILED_PRECONDITION, f"first message must be hello, got {kind or 'an empty message'}")
-                    session = self.registry.get_or_create(message.hello.session)
-                    conn.send(session.join(conn, message.hello))
+                    hello = message.hello
+                    conn.session, conn.run, conn.rank = hello.session, hello.run, hello.rank  # for log lines
+                    joining = self.registry.get_or_create(hello.session)
+                    conn.send(joining.join(conn, hello))
+                    session = joining
                 elif kind == "manifest":
                     session.add_manifest(conn, message.manifest)
                 elif kind == "step":
@@ -70,7 +73,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                     raise invalid("empty client message")
             conn.finish()
         except InputError as error:
-            label = conn.label if session else conn.peer
+            label = conn.label if conn.session else conn.peer
             logger.warning("rejected stream %s: %s", label, error.message)
             conn.fail(error.code, error.message)
             if session is not None:

@@ -118,12 +118,13 @@ class StreamClient:
         self._wake = threading.Event()  # interrupts the reconnect backoff when closing
         self._worker: threading.Thread | None = None
         self._call: grpc.Future | None = None
-        self._pid = os.getpid()
+        self._forked_child = False
 
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a data-loader worker) must not share the parent's
         # lock, queue or connection; it gets an inert client of its own.
         self._init_state()
+        self._forked_child = True
         self._closing = True
         self._stopped.set()
 
@@ -146,11 +147,11 @@ class StreamClient:
     def submit(self, batch: StepBatch) -> bool:
         """Queue a step for sending; O(1) unless old steps must be dropped. Never blocks."""
         with self._cond:
-            if self._closing or self._stopped.is_set():
-                self._drop("already_shutdown" if os.getpid() == self._pid else "forked_child")
-                return False
             if self.stats.rejected:
                 self._drop("server_rejected")
+                return False
+            if self._closing or self._stopped.is_set():
+                self._drop("forked_child" if self._forked_child else "already_shutdown")
                 return False
             self._steps.append(batch)
             self._bytes += batch.nbytes
@@ -382,7 +383,7 @@ class StreamClient:
 
     def _drop(self, reason: str) -> None:
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-        if reason not in ("shutdown", "forked_child"):
+        if reason not in ("shutdown", "forked_child", "server_rejected"):  # those are said elsewhere
             self._warn_once(
                 "drop:" + reason,
                 "twinstep: dropping steps (%s); counted in the report, warned once",

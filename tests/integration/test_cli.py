@@ -1,0 +1,71 @@
+"""The twinstep command line against a real server process and real jobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import free_port, wait_for
+
+CLI = [sys.executable, "-m", "twinstep"]
+
+
+def test_serve_report_and_watch(jobs, tmp_path):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    config = tmp_path / "server.yaml"
+    config.write_text("halt_on_divergence: false\ntolerances:\n  forward: {mean: 1.0e-5}\n")
+    server = subprocess.Popen(CLI + ["serve", "--port", str(port), "--config", str(config)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: subprocess.run(CLI + ["report", "none", "--server", address], capture_output=True, text=True).returncode == 2)
+        watch = subprocess.Popen(CLI + ["watch", "cli", "--server", address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        base = jobs("torch", server=address, session="cli", baseline=True, steps=4)
+        cand = jobs("paddle", server=address, session="cli", bug="gelu_tanh", steps=4)
+        assert base.wait().returncode == 0 and cand.wait().returncode == 0
+        watched, _ = watch.communicate(timeout=60)
+        assert watch.returncode == 0
+        assert "DIVERGENCE run 'paddle' step 0 rank 0 forward 'layers.1.mlp.act'" in watched
+        assert "torch* step 3 finished" in watched
+
+        out = subprocess.run(CLI + ["report", "cli", "--server", address, "--json"], capture_output=True, text=True, check=True)
+        report = json.loads(out.stdout)
+        assert list(report) == ["session", "status", "halted", "runs", "steps_compared", "first_divergence"]
+        assert list(report["runs"][0]) == ["name", "baseline", "framework", "ranks", "last_step", "state", "dropped"]
+        assert list(report["first_divergence"]) == ["step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance"]
+        assert report["status"] == "diverged" and report["halted"] is False and report["steps_compared"] == 4
+
+        text = subprocess.run(CLI + ["report", "cli", "--server", address], capture_output=True, text=True, check=True).stdout
+        marked = [line for line in text.splitlines() if "<== first divergence" in line]
+        assert len(marked) == 1 and marked[0].split()[0] == "act"
+        assert "stage: forward" in text
+
+        missing = subprocess.run(CLI + ["report", "nope", "--server", address], capture_output=True, text=True)
+        assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert server.returncode == 0
+
+
+def test_serve_rejects_a_bad_config(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("tolerances:\n  forwrd: {rms: 1}\n")
+    out = subprocess.run(CLI + ["serve", "--port", "0", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "tolerances.forwrd: unknown phase" in out.stderr
+
+
+def test_demo_finds_the_bug_and_halts_both_jobs():
+    out = subprocess.run(CLI + ["demo"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "first divergence: step 0, rank 0, forward of 'layers.1.mlp.act'" in out.stdout
+    assert "[torch] halted at step" in out.stdout and "[paddle] halted at step" in out.stdout
+
+
+def test_demo_without_bug_stays_aligned():
+    out = subprocess.run(CLI + ["demo", "--no-bug"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "session 'demo': ALIGNED" in out.stdout
+    assert "steps compared: 20" in out.stdout

@@ -1,0 +1,168 @@
+"""Hooks on a three-layer toy model, in torch and in paddle: what is recorded, and clean detach."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.v1 import twinstep_pb2 as pb
+
+FRAMEWORKS = ["torch", "paddle"]
+
+
+def toy(framework: str):
+    """Linear -> ReLU -> Linear, with the ReLU module called twice per forward."""
+    if framework == "torch":
+        import torch
+
+        class Toy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = torch.nn.Linear(4, 8)
+                self.act = torch.nn.ReLU()
+                self.fc2 = torch.nn.Linear(8, 2)
+
+            def forward(self, x):
+                return self.fc2(self.act(self.act(self.fc1(x))))
+
+        torch.manual_seed(0)
+        model = Toy()
+        x = torch.randn(3, 4)
+
+        def train_step():
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+        return model, train_step
+    import paddle
+
+    class PToy(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = paddle.nn.Linear(4, 8)
+            self.act = paddle.nn.ReLU()
+            self.fc2 = paddle.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.act(self.fc1(x))))
+
+    paddle.seed(0)
+    model = PToy()
+    x = paddle.randn([3, 4])
+
+    def train_step():
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+    return model, train_step
+
+
+def names(recorder: Recorder, batch) -> list[tuple[str, str, int]]:
+    modules = {m.id: m.name for m in recorder.take_new_modules()}
+    params = {p.id: p.name for p in recorder.parameter_infos}
+    out = []
+    for phase, target, call in zip(batch.phase, batch.target, batch.call_index):
+        label = pb.Phase.Name(int(phase)).lower()
+        name = params[int(target)] if phase in (pb.GRAD, pb.PARAM) else "loss" if phase == pb.LOSS else modules[int(target)]
+        out.append((label, name, int(call)))
+    return out
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_records_every_phase_in_order(framework):
+    model, train_step = toy(framework)
+    recorder = Recorder(model, backend_for(model), CaptureConfig())
+    loss = train_step()
+    batch = recorder.finish_step(0, loss)
+    recorded = names(recorder, batch)
+    forward = [r for r in recorded if r[0] == "forward"]
+    # Outputs in the order they were produced; the twice-called ReLU gives two calls.
+    assert forward == [("forward", "fc1", 0), ("forward", "act", 0), ("forward", "act", 1), ("forward", "fc2", 0), ("forward", "", 0)]
+    backward = [r for r in recorded if r[0] == "backward"]
+    # Reverse order; the model output is fc2's output tensor, so those two come first together.
+    assert {backward[0][1], backward[1][1]} == {"", "fc2"}
+    assert [b[1:] for b in backward[2:]] == [("act", 1), ("act", 0), ("fc1", 0)]
+    assert ("loss", "loss", 0) in recorded
+    grads = [r[1] for r in recorded if r[0] == "grad"]
+    params = [r[1] for r in recorded if r[0] == "param"]
+    assert params == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert grads == list(reversed(params))
+    assert list(batch.phase) == sorted(batch.phase)
+    # Statistics are the real ones: the loss record holds the loss value.
+    loss_row = [i for i, r in enumerate(recorded) if r[0] == "loss"][0]
+    assert batch.device_stats[loss_row, 0] == pytest.approx(float(loss), rel=1e-6)
+    assert batch.count[loss_row] == 1
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_include_exclude_and_inactive_steps(framework):
+    model, train_step = toy(framework)
+    recorder = Recorder(model, backend_for(model), CaptureConfig(include=("fc*",), exclude=("fc2",)))
+    batch = recorder.finish_step(0, train_step())
+    recorded = names(recorder, batch)
+    assert {r[1] for r in recorded if r[0] == "forward"} == {"fc1"}
+    assert {r[1] for r in recorded if r[0] == "param"} == {"fc1.weight", "fc1.bias"}
+    recorder.set_active(False)
+    train_step()
+    recorder.set_active(True)
+    quiet = recorder.finish_step(1, None)
+    assert not (np.isin(quiet.phase, [pb.FORWARD, pb.BACKWARD])).any()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tensor_mode_copies_are_private(framework):
+    model, train_step = toy(framework)
+    recorder = Recorder(model, backend_for(model), CaptureConfig(capture="tensors", backward=False, parameters=False))
+    train_step()
+    batch = recorder.finish_step(0, None)
+    assert len(batch.tensors) == len(batch.phase) == 5
+    record, dtype, copy = batch.tensors[0]
+    array = batch.storage_array(copy)
+    assert dtype == "float32" and array.shape == (3, 8)
+    assert batch.device_stats[record, 0] == pytest.approx(float(array.astype(np.float64).sum()), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_detach_restores_the_model(framework):
+    model, train_step = toy(framework)
+    forward = type(model).forward
+    signature = inspect.signature(model.forward)
+    before = train_step()
+    recorder = Recorder(model, backend_for(model), CaptureConfig())
+    recorder.remove()
+    recorder.remove()  # idempotent
+    hooks = [m._forward_hooks for m in model.modules()] if framework == "torch" else [l._forward_post_hooks for l in model.sublayers(include_self=True)]
+    assert all(len(h) == 0 for h in hooks)
+    assert type(model).forward is forward and inspect.signature(model.forward) == signature
+    assert float(train_step()) == pytest.approx(float(before))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_failing_hook_never_breaks_training(framework, caplog):
+    model, train_step = toy(framework)
+    recorder = Recorder(model, backend_for(model), CaptureConfig())
+
+    def broken(tensor):
+        raise RuntimeError("boom")
+
+    recorder.backend.device_stats = broken
+    loss = train_step()  # must not raise
+    assert np.isfinite(float(loss))
+    assert sum("capture failed" in r.message for r in caplog.records) == 1
+
+
+def test_attach_refuses_other_objects():
+    with pytest.raises(TypeError, match="expected a torch.nn.Module or a paddle.nn.Layer"):
+        backend_for(object())
+
+
+def test_capture_config_is_validated():
+    with pytest.raises(ValueError, match="capture must be"):
+        CaptureConfig(capture="all")
+    with pytest.raises(ValueError, match="every must be a positive integer"):
+        CaptureConfig(every=0)
+    with pytest.raises(ValueError, match="not a string"):
+        CaptureConfig(include="fc*")
