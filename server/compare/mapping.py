@@ -6,8 +6,9 @@ Names match when identical.  A mapping file renames candidate modules:
     prefix: [{candidate: "model.", baseline: ""}]  # strip or swap a prefix
     regex:  [{pattern: '^decoder\\.layers\\.(\\d+)', replace: 'layers.\\1'}]
 
-Rules apply in that order; the first exact rule on the longest matching module
-path wins, then every prefix rule, then every regex rule.  Parameter names map
+An exact rule on the longest matching module path of the candidate name wins;
+otherwise every prefix rule, then every regex rule applies, and exact rules
+are tried once more on the result (so exact names may be written either way).  Parameter names map
 through their module path, so ``exact: {mlp.linear_fc1: mlp.up_proj}`` also maps
 ``mlp.linear_fc1.weight``.
 """
@@ -45,21 +46,27 @@ class NameMapping:
         return name
 
     def _apply(self, name: str) -> str:
-        if self.exact:
-            parts = name.split(".")
-            for cut in range(len(parts), 0, -1):
-                head = ".".join(parts[:cut])
-                if head in self.exact:
-                    tail = parts[cut:]
-                    mapped = self.exact[head]
-                    name = ".".join(([mapped] if mapped else []) + tail)
-                    break
+        exact = self._exact(name)
+        if exact is not None:
+            return exact
         for cand_prefix, base_prefix in self.prefix:
             if name.startswith(cand_prefix):
                 name = base_prefix + name[len(cand_prefix):]
         for pattern, replacement in self.regex:
             name = pattern.sub(replacement, name)
-        return name
+        exact = self._exact(name)
+        return name if exact is None else exact
+
+    def _exact(self, name: str) -> str | None:
+        """Apply the exact rule of the longest matching module path, if any."""
+        if not self.exact:
+            return None
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            mapped = self.exact.get(".".join(parts[:cut]))
+            if mapped is not None:
+                return ".".join(([mapped] if mapped else []) + parts[cut:])
+        return None
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "mapping") -> "NameMapping":

@@ -1,0 +1,86 @@
+"""Server policies over real streams: renamed modules, bounded windows, late joiners."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.rawclient import RawStream, hello, manifest, step
+from twinstep.server.config import config_from_dict
+from twinstep.v1 import twinstep_pb2 as pb
+
+X = np.linspace(-2.0, 2.0, 32, dtype=np.float32).reshape(4, 8)
+
+MAPPING = config_from_dict({"mapping": {"prefix": [{"candidate": "model.", "baseline": ""}], "exact": {"mlp.up": "mlp.fc1"}}})
+
+
+def open_run(address, session, run, baseline, modules):
+    stream = RawStream(address).send(hello(session, run, baseline=baseline))
+    assert stream.next().WhichOneof("body") == "welcome"
+    return stream.send(manifest(*modules))
+
+
+def finish(stream, last):
+    stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=last)))
+    stream.close()
+    stream.wait_end()
+
+
+@pytest.mark.parametrize("server", [{"config": MAPPING}], indirect=True)
+def test_mapping_file_matches_renamed_modules(server):
+    base = open_run(server.address, "renamed", "base", True, [(0, "fc", "Linear"), (1, "mlp.fc1", "Linear")])
+    cand = open_run(server.address, "renamed", "cand", False, [(0, "model.fc", "Linear"), (1, "model.mlp.up", "Linear")])
+    base.send(step(0, [(0, X), (1, X * 3)]))
+    cand.send(step(0, [(0, X), (1, X * 3 + 0.5)]))  # the renamed fc1 differs
+    finish(base, 0)
+    finish(cand, 0)
+    report = server.report_proto("renamed")
+    first = report.first_divergence
+    assert (first.module, first.candidate_module) == ("mlp.fc1", "model.mlp.up")
+    assert list(report.unmatched_baseline) == [] and list(report.unmatched_candidate) == []
+
+
+def test_unmatched_modules_are_listed_not_passed(server):
+    base = open_run(server.address, "unmatched", "base", True, [(0, "fc", "Linear"), (1, "extra", "ReLU")])
+    cand = open_run(server.address, "unmatched", "cand", False, [(0, "fc", "Linear"), (1, "other", "ReLU")])
+    base.send(step(0, [(0, X), (1, X)]))
+    cand.send(step(0, [(0, X), (1, X)]))
+    finish(base, 0)
+    finish(cand, 0)
+    report = server.report_proto("unmatched")
+    assert list(report.unmatched_baseline) == ["forward:extra"]
+    assert list(report.unmatched_candidate) == ["forward:other"]
+
+
+@pytest.mark.parametrize("server", [{"config": config_from_dict({"window_steps": 5})}], indirect=True)
+def test_window_bounds_a_run_that_is_far_ahead_and_the_report_says_so(server):
+    base = open_run(server.address, "window", "base", True, [(0, "fc", "Linear")])
+    for s in range(20):  # a raw client ignores credit; the server must still bound memory
+        base.send(step(s, [(0, X)]))
+    wait_for(lambda: server.registry.get("window").runs["base"].last_step == 19)
+    session = server.registry.get("window")
+    assert session.aligners[0].pending_steps("base") == 5
+    cand = open_run(server.address, "window", "cand", False, [(0, "fc", "Linear")])
+    for s in range(20):
+        cand.send(step(s, [(0, X)]))
+    finish(base, 19)
+    finish(cand, 19)
+    report = server.report("window")
+    runs = {r["name"]: r for r in report["runs"]}
+    assert runs["base"]["dropped"] == 15
+    assert report["steps_compared"] == 5 and report["status"] == "aligned"
+
+
+def test_credit_tells_a_lone_lockstep_run_to_wait(server):
+    stream = RawStream(server.address)
+    msg = hello("credit", "base", baseline=True)
+    msg.hello.max_lead = 2
+    stream.send(msg)
+    assert stream.next().WhichOneof("body") == "welcome"
+    credit = stream.next()
+    assert credit.credit.max_step == 1  # two steps (0, 1) before the other run must show up
+    other = open_run(server.address, "credit", "cand", False, [(0, "fc", "Linear")])
+    other.send(step(0, [(0, X)]))
+    credit = wait_for(lambda: (m := stream.next()).WhichOneof("body") == "credit" and m.credit.max_step == 2 and m)
+    assert credit.credit.max_step == 2
