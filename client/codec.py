@@ -87,7 +87,11 @@ def decode(codec: int, data: bytes, raw_nbytes: int, dtype: str, shape: tuple[in
         raw = data
     elif codec == pb.ZSTD:
         try:
-            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=expected)
+            # Read at most one byte past the announced size: a frame header claiming
+            # more (max_output_size is ignored when the header states a size) cannot
+            # make us allocate it.
+            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+                raw = reader.read(expected + 1)
         except zstandard.ZstdError as exc:
             raise PayloadError(f"corrupt zstd payload: {exc}") from None
     else:

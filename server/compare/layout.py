@@ -37,10 +37,12 @@ def shapes_compatible(base: tuple[int, ...], cand: tuple[int, ...], transpose: b
     if base == cand:
         return True
     try:
-        np.broadcast_shapes(base, cand)
+        common = np.broadcast_shapes(base, cand)
     except ValueError:
         return False
-    return True
+    # One side must be the other broadcast ([1,S,D] -> [B,S,D]); a mutual
+    # broadcast ([8,1] vs [1,8]) is a different tensor, not an equivalent one.
+    return common in (base, cand)
 
 
 def align(base: np.ndarray, cand: np.ndarray, transpose: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -95,6 +95,9 @@ class PaddleBackend(CaptureBackend):
                 inf = paddle.isinf(flat).astype("float64").sum()
             elif bool(paddle.isfinite(total)):
                 nan = inf = paddle.zeros([], dtype="float64")
+                if not bool(paddle.isfinite(sum_sq)):  # squares beyond float32's range
+                    wide = flat.astype("float64")
+                    sum_sq = paddle.sum(wide * wide)
             else:
                 # Rare path: moments and extrema over the finite elements only.
                 nan = paddle.isnan(flat).astype("float64").sum()
@@ -139,6 +142,5 @@ def _finite_moments(finite: paddle.Tensor) -> tuple[paddle.Tensor, ...]:
     if finite.size == 0:
         zero = paddle.zeros([], dtype="float64")
         return zero, zero, zero, zero
-    total = paddle.sum(finite).astype("float64")
-    sum_sq = paddle.sum(finite * finite).astype("float64")
-    return total, sum_sq, paddle.min(finite).astype("float64"), paddle.max(finite).astype("float64")
+    wide = finite.astype("float64")  # rare path: precision over speed
+    return paddle.sum(wide), paddle.sum(wide * wide), paddle.min(wide), paddle.max(wide)

@@ -99,6 +99,9 @@ class TorchBackend(CaptureBackend):
             elif bool(torch.isfinite(total)):
                 # A finite sum proves there is no NaN/Inf: skip two full passes.
                 nan = inf = torch.zeros((), dtype=torch.float64)
+                if not bool(torch.isfinite(sum_sq)):  # squares beyond float32's range
+                    wide = flat.to(torch.float64)
+                    sum_sq = (wide * wide).sum()
             else:
                 # Rare path: moments and extrema cover the finite elements only,
                 # the counts cover the rest (see twinstep.stats).
@@ -147,7 +150,6 @@ def _finite_moments(finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if finite.numel() == 0:
         zero = torch.zeros((), dtype=torch.float64)
         return zero, zero, zero, zero
-    lo, hi = torch.aminmax(finite)
-    total = finite.sum().to(torch.float64)
-    sum_sq = (finite * finite).sum().to(torch.float64)
-    return total, sum_sq, lo.to(torch.float64), hi.to(torch.float64)
+    wide = finite.to(torch.float64)  # rare path: precision over speed
+    lo, hi = torch.aminmax(wide)
+    return wide.sum(), (wide * wide).sum(), lo, hi
