@@ -84,3 +84,29 @@ def test_credit_tells_a_lone_lockstep_run_to_wait(server):
     other.send(step(0, [(0, X)]))
     credit = wait_for(lambda: (m := stream.next()).WhichOneof("body") == "credit" and m.credit.max_step == 2 and m)
     assert credit.credit.max_step == 2
+
+
+def test_a_slow_rank_cannot_hide_an_earlier_divergence(server):
+    """Rank 0 diverges at step 3 and arrives first; rank 1 diverged at step 1 but is slow."""
+    def open_rank(run, baseline, rank):
+        stream = RawStream(server.address).send(hello("slow", run, baseline=baseline, rank=rank, world_size=2))
+        assert stream.next().WhichOneof("body") == "welcome"
+        return stream.send(manifest((0, "fc", "Linear")))
+
+    streams = {(run, rank): open_rank(run, run == "base", rank) for run in ("base", "cand") for rank in (0, 1)}
+    for s in range(5):
+        streams["base", 0].send(step(s, [(0, X)], rank=0))
+        streams["cand", 0].send(step(s, [(0, X + 1.0 if s == 3 else X)], rank=0))
+    for s in range(2):
+        streams["base", 1].send(step(s, [(0, X)], rank=1))
+    wait_for(lambda: server.registry.get("slow").runs["cand"].ranks[0].last_step == 4)
+    assert server.report("slow")["first_divergence"] is None  # rank 1 has not delivered step 1..3 yet
+    for s in range(5):
+        streams["cand", 1].send(step(s, [(0, X * 2 if s == 1 else X)], rank=1))
+    for s in range(2, 5):
+        streams["base", 1].send(step(s, [(0, X)], rank=1))
+    first = wait_for(lambda: server.report("slow")["first_divergence"])
+    assert (first["step"], first["rank"]) == (1, 1)
+    for (run, rank), stream in streams.items():
+        finish(stream, 4)
+    assert server.report("slow")["status"] == "diverged"

@@ -55,3 +55,18 @@ def test_every_package_folder_is_packaged():
         for init in (ROOT / folder).rglob("__init__.py"):
             found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
     assert found == listed
+
+
+def test_a_torch_job_never_imports_paddle(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, twinstep\n"
+        "mon = twinstep.attach(torch.nn.Linear(2, 2), session='s', run='r', server='127.0.0.1:9')\n"
+        "mon.step(); mon.close(timeout=0.5)\n"
+        "assert 'paddle' not in sys.modules, 'paddle was imported'\n"
+        "assert 'twinstep.server' not in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
