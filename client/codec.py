@@ -94,6 +94,8 @@ def decode(codec: int, data: bytes, raw_nbytes: int, dtype: str, shape: tuple[in
                 raw = reader.read(expected + 1)
         except zstandard.ZstdError as exc:
             raise PayloadError(f"corrupt zstd payload: {exc}") from None
+        if len(raw) != expected:
+            raise PayloadError(f"corrupt zstd payload: decompressed to {len(raw)} bytes, expected {expected}")
     else:
         raise PayloadError(f"unknown codec {codec}")
     if len(raw) != expected:

@@ -253,23 +253,12 @@ class Session:
     def _announce(self, declared: list[Candidate]) -> None:
         for found in declared:
             row, comparison = found.row, found.comparison
-            divergence = pb.Divergence(
-                step=comparison.step,
-                rank=comparison.rank,
-                phase=row.phase,
-                module=row.name,
-                candidate_module=row.candidate_name,
-                metric=row.metric,
-                value=row.value,
-                tolerance=row.tolerance,
-                candidate_run=comparison.candidate_run,
-            )
             logger.warning(
                 "session %s: first divergence of run %r at step %d rank %d, %s of %r: %s %.3g > %.3g",
                 self.name, comparison.candidate_run, comparison.step, comparison.rank, row.phase,
                 row.name or "(model)", row.metric, row.value, row.tolerance,
             )
-            event = pb.Event(divergence=divergence)
+            event = pb.Event(divergence=found.to_proto())
             self.events.publish(event, keep=True)
             self._broadcast(pb.ServerMessage(event=event))
             if self.config.halt_on_divergence:

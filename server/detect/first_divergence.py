@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.compare.records import PHASE_NAMES
+from twinstep.v1 import twinstep_pb2 as pb
 
 _PHASE_ORDER = {name: i for i, name in enumerate(PHASE_NAMES.values())}
 
@@ -22,6 +23,20 @@ class Candidate:
     key: tuple[int, int, int, int]
     row: Row
     comparison: StepComparison
+
+    def to_proto(self) -> pb.Divergence:
+        row, comparison = self.row, self.comparison
+        return pb.Divergence(
+            step=comparison.step,
+            rank=comparison.rank,
+            phase=row.phase,
+            module=row.name,
+            candidate_module=row.candidate_name,
+            metric=row.metric,
+            value=row.value,
+            tolerance=row.tolerance,
+            candidate_run=comparison.candidate_run,
+        )
 
 
 class FirstDivergenceTracker:

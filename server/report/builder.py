@@ -32,19 +32,8 @@ def build_report(session: Session) -> pb.Report:
         )
         if first is not None:
             row, comparison = first.row, first.comparison
-            report.first_divergence.CopyFrom(
-                pb.Divergence(
-                    step=comparison.step,
-                    rank=comparison.rank,
-                    phase=row.phase,
-                    module=row.name,
-                    candidate_module=row.candidate_name,
-                    metric=row.metric,
-                    value=row.value,
-                    tolerance=row.tolerance,
-                    candidate_run=comparison.candidate_run,
-                )
-            )
+            row, comparison = first.row, first.comparison
+            report.first_divergence.CopyFrom(first.to_proto())
             report.stage = _STAGES.get(row.phase, row.phase)
             report.tree.extend(_tree_rows(comparison, row))
         elif session.last_comparison is not None:
