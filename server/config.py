@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from twinstep.server.compare.mapping import NameMapping
+from twinstep.server.compare.mapping import NameMapping, layer_mapping_from_dict
 from twinstep.server.compare.tolerance import ToleranceConfig
 
 
@@ -38,7 +38,7 @@ class ServerConfig:
             raise ValueError("max_workers must be at least 4")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "max_workers", "max_message_bytes"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -64,9 +64,17 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
             mapping_data = yaml.safe_load(mapping_path.read_text())
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(f"{where}: cannot read mapping_file {mapping_path}: {exc}") from None
+    mapping = NameMapping.from_dict(mapping_data, f"{where}: mapping")
+    if "layer_mapping_file" in data:
+        path = base_dir / str(data["layer_mapping_file"])
+        try:
+            layer_data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{where}: cannot read layer_mapping_file {path}: {exc}") from None
+        mapping.layer_mapping = layer_mapping_from_dict(layer_data, f"{where}: layer_mapping_file {path}")
     kwargs: dict[str, Any] = {
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
-        "mapping": NameMapping.from_dict(mapping_data, f"{where}: mapping"),
+        "mapping": mapping,
     }
     for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int)):
         if key in data:

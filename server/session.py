@@ -94,6 +94,7 @@ class Session:
         self.unmatched_baseline: dict[str, None] = {}
         self.unmatched_candidate: dict[str, None] = {}
         self._last_progress = 0.0
+        self._bound_mappings: dict[tuple[str, int], tuple[int, object]] = {}
         self._halt_ids = itertools.count(1)
         self._halt_acks: dict[int, dict[int, int]] = {}
         self._halt_cond = threading.Condition(self.lock)
@@ -222,7 +223,7 @@ class Session:
             cand_framework=self.runs[candidate_run].framework,
             candidate_run=candidate_run,
             tolerances=self.config.tolerances,
-            mapping=self.config.mapping,
+            mapping=self._mapping_for(candidate_run, cand_step.rank),
         )
         comparison = compare_step(base_step, cand_step, ctx)
         self.tracker.add(comparison)
@@ -235,6 +236,18 @@ class Session:
                 self.unmatched_candidate[name] = None
         for error in comparison.errors:
             self._error(error)
+
+    def _mapping_for(self, run: str, rank: int):
+        """The name mapping bound to this candidate's module classes (msprobe rules need them)."""
+        mapping = self.config.mapping
+        if not mapping.layer_mapping:
+            return mapping
+        manifest = self.runs[run].ranks[rank].manifest
+        cached = self._bound_mappings.get((run, rank))
+        if cached is None or cached[0] != len(manifest.modules):
+            cached = (len(manifest.modules), mapping.bind({n: t for n, t in manifest.modules.values()}))
+            self._bound_mappings[(run, rank)] = cached
+        return cached[1]
 
     def _declare(self) -> list[Candidate]:
         """Declare divergences no earlier one can precede any more (caller holds the lock)."""

@@ -26,7 +26,7 @@ JOB_TIMEOUT = 240
 @pytest.fixture
 def server(request: pytest.FixtureRequest) -> Iterator:
     """An embedded server; parametrise indirectly with a dict of serve() kwargs."""
-    kwargs = getattr(request, "param", {}) or {}
+    kwargs = dict(getattr(request, "param", {}) or {})  # a copy: parametrised dicts are shared
     handle = serve(port=0, config=kwargs.pop("config", None) or ServerConfig(), **kwargs)
     yield handle
     handle.stop(grace=0.5)

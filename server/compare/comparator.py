@@ -62,23 +62,7 @@ class CompareContext:
 
 
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
-    base_index = {
-        (int(p), name, int(c), int(s)): i
-        for i, (p, name, c, s) in enumerate(zip(base.phase, base.names, base.call_index, base.slot))
-    }
-    pairs: list[tuple[int, int]] = []
-    matched_base: set[int] = set()
-    unmatched_candidate: list[str] = []
-    for j, (p, name, c, s) in enumerate(zip(cand.phase, cand.names, cand.call_index, cand.slot)):
-        key = (int(p), ctx.mapping.to_baseline(name), int(c), int(s))
-        i = base_index.get(key)
-        if i is None or i in matched_base:
-            unmatched_candidate.append(_label(int(p), name))
-            continue
-        matched_base.add(i)
-        pairs.append((i, j))
-    pairs.sort()
-    unmatched_baseline = [_label(int(base.phase[i]), base.names[i]) for i in range(len(base)) if i not in matched_base]
+    pairs, unmatched_baseline, unmatched_candidate = _join(base, cand, ctx.mapping)
     result = StepComparison(
         step=base.step,
         rank=base.rank,
@@ -90,15 +74,18 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     if not pairs:
         return result
 
-    ib = np.fromiter((i for i, _ in pairs), dtype=np.int64, count=len(pairs))
-    ic = np.fromiter((j for _, j in pairs), dtype=np.int64, count=len(pairs))
-    values = metrics.from_statistics(
-        {k: v[ib] for k, v in base.table.items()}, {k: v[ic] for k, v in cand.table.items()}
-    )
+    ib = np.fromiter((group[0] for group, _ in pairs), dtype=np.int64, count=len(pairs))
+    values = metrics.from_statistics(_gather(base.table, [g for g, _ in pairs]), _gather(cand.table, [g for _, g in pairs]))
     for name in ("shape", "rel_l2", "cosine", "max_abs"):
         values[name] = np.zeros(len(pairs))
 
-    for k, (i, j) in enumerate(pairs):
+    for k, (base_group, cand_group) in enumerate(pairs):
+        if len(base_group) > 1 or len(cand_group) > 1:
+            # Fused on one side: statistics merge exactly; the parts must hold the same elements.
+            if sum(base.table["count"][base_group]) != sum(cand.table["count"][cand_group]):
+                values["shape"][k] = 1.0
+            continue
+        i, j = base_group[0], cand_group[0]
         transpose = int(base.phase[i]) in _PARAM_PHASES and layout.needs_transpose(
             (ctx.base_framework, base.types[i], base.names[i]), (ctx.cand_framework, cand.types[j], cand.names[j])
         )
@@ -131,13 +118,14 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     # Among exceeded metrics prefer the one exceeded most.
     worst_over = np.argmax(np.where(over, ratio, -1.0), axis=0)
     divergent = over.any(axis=0)
-    for k, (i, j) in enumerate(pairs):
+    for k, (base_group, cand_group) in enumerate(pairs):
+        i = base_group[0]
         m = METRICS[int(worst_over[k] if divergent[k] else worst[k])]
         result.rows.append(
             Row(
                 phase=PHASE_NAMES[int(base.phase[i])],
-                name=base.names[i],
-                candidate_name=cand.names[j],
+                name=_group_name([base.names[x] for x in base_group]),
+                candidate_name=_group_name([cand.names[x] for x in cand_group]),
                 type=base.types[i],
                 call_index=int(base.call_index[i]),
                 slot=int(base.slot[i]),
@@ -148,6 +136,87 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             )
         )
     return result
+
+
+Pair = tuple[list[int], list[int]]
+
+
+def _join(base: StepData, cand: StepData, mapping: NameMapping) -> tuple[list[Pair], list[str], list[str]]:
+    """Match records: fused groups first, then names (after mapping); in the baseline's order."""
+    def key(data: StepData, i: int, name: str) -> tuple[int, str, int, int]:
+        return (int(data.phase[i]), name, int(data.call_index[i]), int(data.slot[i]))
+
+    base_index = {key(base, i, name): i for i, name in enumerate(base.names)}
+    pairs: list[Pair] = []
+    used_base: set[int] = set()
+    used_cand: set[int] = set()
+    if mapping.fused:
+        cand_index = {key(cand, j, name): j for j, name in enumerate(cand.names)}
+        for side, data, index, used_single, used_parts in (
+            ("candidate", cand, base_index, used_cand, used_base),
+            ("baseline", base, cand_index, used_base, used_cand),
+        ):
+            for x, name in enumerate(data.names):
+                module, local = _split(int(data.phase[x]), name)
+                parts = mapping.fused_parts(side, module)
+                if not parts:
+                    continue
+                found = [index.get(key(data, x, part + local)) for part in parts]
+                if any(f is None or f in used_parts for f in found):
+                    continue
+                used_single.add(x)
+                used_parts.update(found)  # type: ignore[arg-type]
+                group = [f for f in found if f is not None]
+                pairs.append((group, [x]) if side == "candidate" else ([x], group))
+    unmatched_candidate: list[str] = []
+    for j, name in enumerate(cand.names):
+        if j in used_cand:
+            continue
+        i = base_index.get(key(cand, j, mapping.to_baseline(name)))
+        if i is None or i in used_base:
+            unmatched_candidate.append(_label(int(cand.phase[j]), name))
+            continue
+        used_base.add(i)
+        pairs.append(([i], [j]))
+    pairs.sort(key=lambda pair: pair[0][0])
+    unmatched_baseline = [_label(int(base.phase[i]), base.names[i]) for i in range(len(base)) if i not in used_base]
+    return pairs, unmatched_baseline, unmatched_candidate
+
+
+def _split(phase: int, name: str) -> tuple[str, str]:
+    """(module path, suffix): parameters follow their module through fused rules."""
+    if phase in _PARAM_PHASES and "." in name:
+        module, local = name.rsplit(".", 1)
+        return module, "." + local
+    return name, ""
+
+
+def _gather(table: dict[str, np.ndarray], groups: list[list[int]]) -> dict[str, np.ndarray]:
+    """Rows of ``table`` per group, parts of a group merged (exact for concatenations)."""
+    if all(len(g) == 1 for g in groups):
+        index = np.fromiter((g[0] for g in groups), dtype=np.int64, count=len(groups))
+        return {k: v[index] for k, v in table.items()}
+    flat = np.fromiter((i for g in groups for i in g), dtype=np.int64)
+    starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
+    out = {}
+    for name, values in table.items():
+        reduce = np.minimum if name == "min" else np.maximum if name in ("max", "abs_max") else np.add
+        out[name] = reduce.reduceat(values[flat], starts)
+    return out
+
+
+def _group_name(names: list[str]) -> str:
+    """"a.b.{q,k,v}.weight" for parts that differ in one path component."""
+    if len(names) == 1:
+        return names[0]
+    split = [n.split(".") for n in names]
+    if len({len(s) for s in split}) == 1:
+        differing = [i for i in range(len(split[0])) if len({s[i] for s in split}) > 1]
+        if len(differing) == 1:
+            d = differing[0]
+            parts = split[0][:d] + ["{" + ",".join(s[d] for s in split) + "}"] + split[0][d + 1 :]
+            return ".".join(parts)
+    return "+".join(names)
 
 
 def _decode(data: StepData, index: int) -> np.ndarray:

@@ -5,6 +5,21 @@ Names match when identical.  A mapping file renames candidate modules:
     exact:  {decoder.final_layernorm: norm}        # a module and everything under it
     prefix: [{candidate: "model.", baseline: ""}]  # strip or swap a prefix
     regex:  [{pattern: '^decoder\\.layers\\.(\\d+)', replace: 'layers.\\1'}]
+    fused:                                         # one module on one side, several on the other
+      - candidate: 'layers\\.(\\d+)\\.self_attn\\.qkv_proj'
+        baseline: ['layers.\\1.self_attn.q_proj', 'layers.\\1.self_attn.k_proj', 'layers.\\1.self_attn.v_proj']
+
+The single side of a fused rule is a regular expression over that side's
+module names (full match); the list side holds templates (``\\1`` refers to
+its groups).  Their parameters follow (``qkv_proj.weight`` is compared with
+``q_proj.weight``, ``k_proj.weight`` and ``v_proj.weight`` together).  Parts
+are compared through merged statistics, which are exact for a concatenation
+in any order or interleaving.
+
+msprobe's class-keyed ``layer_mapping`` files are read too (config key
+``layer_mapping_file``, or any mapping file with a ``TopLayer`` key): a key
+under a class name maps a sub-path of every candidate module of that class,
+and ``TopLayer`` applies to the root.
 
 An exact rule on the longest matching module path of the candidate name wins;
 otherwise every prefix rule, then every regex rule applies, and exact rules
@@ -28,13 +43,37 @@ class NameMapping:
     """(candidate prefix, baseline prefix) pairs."""
     regex: list[tuple[re.Pattern[str], str]] = field(default_factory=list)
     """(pattern over the candidate name, replacement) pairs, applied with re.sub."""
+    fused: list["FusedRule"] = field(default_factory=list)
+    """One module on one side compared with several on the other."""
+    layer_mapping: dict[str, dict[str, str]] = field(default_factory=dict)
+    """msprobe format: class name -> {candidate sub-path: baseline sub-path}."""
+    candidate_types: dict[str, str] = field(default_factory=dict)
+    """Candidate module name -> class name, which layer_mapping needs (see bind)."""
 
     def __post_init__(self) -> None:
         self._cache: dict[str, str] = {}
 
     @property
     def empty(self) -> bool:
-        return not (self.exact or self.prefix or self.regex)
+        return not (self.exact or self.prefix or self.regex or self.fused or self.layer_mapping)
+
+    def bind(self, candidate_types: dict[str, str]) -> "NameMapping":
+        """A copy that knows the candidate's module classes (for layer_mapping rules)."""
+        if not self.layer_mapping:
+            return self
+        return NameMapping(
+            exact=self.exact, prefix=self.prefix, regex=self.regex, fused=self.fused,
+            layer_mapping=self.layer_mapping, candidate_types=dict(candidate_types),
+        )
+
+    def fused_parts(self, side: str, module_name: str) -> list[str] | None:
+        """Names on the other side that together match ``module_name`` of ``side``, if a rule says so."""
+        for rule in self.fused:
+            if rule.single_side == side:
+                match = rule.pattern.fullmatch(module_name)
+                if match:
+                    return [match.expand(template) for template in rule.parts]
+        return None
 
     def to_baseline(self, candidate_name: str) -> str:
         cached = self._cache.get(candidate_name)
@@ -46,6 +85,8 @@ class NameMapping:
         return name
 
     def _apply(self, name: str) -> str:
+        if self.layer_mapping:
+            name = self._layer_mapping(name)
         exact = self._exact(name)
         if exact is not None:
             return exact
@@ -68,16 +109,45 @@ class NameMapping:
                 return ".".join(([mapped] if mapped else []) + parts[cut:])
         return None
 
+    def _layer_mapping(self, name: str) -> str:
+        """Translate along the candidate's module tree with msprobe's class-keyed rules."""
+        parts = name.split(".") if name else []
+        out: list[str] = []
+        pos = 0
+        while pos < len(parts):
+            current = ".".join(parts[:pos])
+            rules: dict[str, str] = {}
+            if pos == 0:
+                rules.update(self.layer_mapping.get("TopLayer", {}))
+            rules.update(self.layer_mapping.get(self.candidate_types.get(current, ""), {}))
+            step = None
+            for end in range(len(parts), pos, -1):  # the longest sub-path wins
+                target = rules.get(".".join(parts[pos:end]))
+                if target is not None:
+                    step = (end, target)
+                    break
+            if step is None:
+                out.append(parts[pos])
+                pos += 1
+            else:
+                pos, target = step
+                if target:
+                    out.append(target)
+        return ".".join(out)
+
     @classmethod
     def from_dict(cls, data: Any, where: str = "mapping") -> "NameMapping":
         """Build from parsed YAML; raises ValueError naming the offending option."""
         if data is None:
             return cls()
         if not isinstance(data, dict):
-            raise ValueError(f"{where} must be a mapping with keys exact, prefix, regex")
-        unknown = set(data) - {"exact", "prefix", "regex"}
+            raise ValueError(f"{where} must be a mapping with keys exact, prefix, regex, fused")
+        if "TopLayer" in data:
+            return cls(layer_mapping=layer_mapping_from_dict(data, where))
+        unknown = set(data) - {"exact", "prefix", "regex", "fused"}
         if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (expected exact, prefix, regex)")
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (expected exact, prefix, regex, fused; "
+                             "msprobe layer_mapping files go in layer_mapping_file)")
         exact = data.get("exact") or {}
         if not isinstance(exact, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in exact.items()):
             raise ValueError(f"{where}.exact must map candidate names to baseline names (strings)")
@@ -94,4 +164,38 @@ class NameMapping:
                 regex.append((re.compile(str(rule["pattern"])), str(rule["replace"])))
             except re.error as exc:
                 raise ValueError(f"{where}.regex[{i}].pattern is not a valid regex: {exc}") from None
-        return cls(exact=dict(exact), prefix=prefix, regex=regex)
+        fused = [FusedRule.from_dict(rule, f"{where}.fused[{i}]") for i, rule in enumerate(data.get("fused") or [])]
+        return cls(exact=dict(exact), prefix=prefix, regex=regex, fused=fused)
+
+
+@dataclass
+class FusedRule:
+    single_side: str  # "candidate" or "baseline": the side holding one fused module
+    pattern: re.Pattern[str]
+    parts: list[str]
+
+    @classmethod
+    def from_dict(cls, rule: Any, where: str) -> "FusedRule":
+        if not isinstance(rule, dict) or set(rule) != {"candidate", "baseline"}:
+            raise ValueError(f"{where} needs exactly the keys candidate and baseline")
+        cand, base = rule["candidate"], rule["baseline"]
+        if isinstance(cand, str) and isinstance(base, list):
+            side, single, parts = "candidate", cand, base
+        elif isinstance(base, str) and isinstance(cand, list):
+            side, single, parts = "baseline", base, cand
+        else:
+            raise ValueError(f"{where}: one of candidate/baseline must be a pattern, the other a list of names")
+        if len(parts) < 2 or not all(isinstance(p, str) for p in parts):
+            raise ValueError(f"{where}: the list side needs at least two names")
+        try:
+            pattern = re.compile(single)
+        except re.error as exc:
+            raise ValueError(f"{where}: {single!r} is not a valid regex: {exc}") from None
+        return cls(side, pattern, list(parts))
+
+
+def layer_mapping_from_dict(data: Any, where: str) -> dict[str, dict[str, str]]:
+    """Validate an msprobe layer_mapping: class name -> {candidate sub-path: baseline sub-path}."""
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"{where}: an msprobe layer_mapping maps class names to {{sub-path: sub-path}}")
+    return {str(cls): {str(a): "" if b is None else str(b) for a, b in rules.items()} for cls, rules in data.items()}

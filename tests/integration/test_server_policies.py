@@ -110,3 +110,71 @@ def test_a_slow_rank_cannot_hide_an_earlier_divergence(server):
     for (run, rank), stream in streams.items():
         finish(stream, 4)
     assert server.report("slow")["status"] == "diverged"
+
+
+FUSED = config_from_dict({"mapping": {"fused": [
+    {"candidate": r"layers\.(\d+)\.qkv_proj", "baseline": [r"layers.\1.q_proj", r"layers.\1.k_proj", r"layers.\1.v_proj"]},
+]}})
+
+
+@pytest.mark.parametrize("server", [{"config": FUSED}], indirect=True)
+@pytest.mark.parametrize("perturb", [False, True])
+def test_fused_module_compared_with_its_parts(server, perturb):
+    session = f"fused-{perturb}"
+    q, k, v = X, X * 2, X - 1
+    base = open_run(server.address, session, "base", True, [(0, "layers.0.q_proj", "Linear"), (1, "layers.0.k_proj", "Linear"), (2, "layers.0.v_proj", "Linear")])
+    cand = open_run(server.address, session, "cand", False, [(0, "layers.0.qkv_proj", "Linear")])
+    base.send(step(0, [(0, q), (1, k), (2, v)]))
+    # Heads interleaved on the candidate side: merged statistics do not care.
+    fused = np.stack([q, k + (0.01 if perturb else 0.0), v], axis=-1).reshape(4, 24)
+    cand.send(step(0, [(0, fused)]))
+    finish(base, 0)
+    finish(cand, 0)
+    report = server.report_proto(session)
+    assert list(report.unmatched_baseline) == [] and list(report.unmatched_candidate) == []
+    if not perturb:
+        assert report.status == "aligned"
+    else:
+        d = report.first_divergence
+        assert (d.module, d.candidate_module) == ("layers.0.{q_proj,k_proj,v_proj}", "layers.0.qkv_proj")
+
+
+LAYER_MAPPING = """
+TopLayer:
+  0.module: module
+Float16Module:
+  module: model
+GPTModel:
+  decoder.layers: layers
+TransformerLayer:
+  self_attention: self_attn
+SelfAttention:
+  linear_proj: o_proj
+"""
+
+
+def test_msprobe_layer_mapping_file(tmp_path):
+    from twinstep.server import load_config, serve
+
+    (tmp_path / "layer_mapping.yaml").write_text(LAYER_MAPPING)
+    (tmp_path / "server.yaml").write_text("layer_mapping_file: layer_mapping.yaml\n")
+    handle = serve(port=0, config=load_config(tmp_path / "server.yaml"))
+    try:
+        base = open_run(handle.address, "msprobe", "base", True, [(0, "module.model.layers.0.self_attn.o_proj", "Linear")])
+        cand_modules = [
+            (0, "0.module.module.decoder.layers.0.self_attention.linear_proj", "RowParallelLinear"),
+            (1, "0.module.module.decoder.layers.0.self_attention", "SelfAttention"),
+            (2, "0.module.module.decoder.layers.0", "TransformerLayer"),
+            (3, "0.module.module", "GPTModel"),
+            (4, "0.module", "Float16Module"),
+        ]
+        cand = open_run(handle.address, "msprobe", "cand", False, cand_modules)
+        base.send(step(0, [(0, X)]))
+        cand.send(step(0, [(0, X + 1.0)]))
+        finish(base, 0)
+        finish(cand, 0)
+        report = handle.report_proto("msprobe")
+        assert report.first_divergence.module == "module.model.layers.0.self_attn.o_proj"
+        assert report.first_divergence.candidate_module == "0.module.module.decoder.layers.0.self_attention.linear_proj"
+    finally:
+        handle.stop(grace=0.1)
