@@ -134,6 +134,7 @@ def format_event(event: pb.Event) -> str:
         return (
             f"[{event.session}] DIVERGENCE run {d.candidate_run!r} step {d.step} rank {d.rank} {d.phase} "
             f"{d.module or '(model)'!r}: {d.metric} {d.value:.3g} > {d.tolerance:.3g}"
+            + (f"\n[{event.session}]   stage: {d.stage}" if d.stage else "")
         )
     if kind == "halt":
         h = event.halt

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from twinstep import codec
+from twinstep import codec, stats
 from twinstep.server.compare import layout, metrics
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.compare.records import PHASE_NAMES, StepData
@@ -35,6 +35,10 @@ class Row:
     value: float
     tolerance: float
     divergent: bool
+    ndim: int = 0
+    """Dimensions of the baseline tensor (1 for biases and norm weights)."""
+    scale: float = 1.0
+    """Candidate RMS over baseline RMS: a common factor across records points at scaling or clipping."""
 
 
 @dataclass
@@ -75,7 +79,11 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
         return result
 
     ib = np.fromiter((group[0] for group, _ in pairs), dtype=np.int64, count=len(pairs))
-    values = metrics.from_statistics(_gather(base.table, [g for g, _ in pairs]), _gather(cand.table, [g for _, g in pairs]))
+    base_table = _gather(base.table, [g for g, _ in pairs])
+    cand_table = _gather(cand.table, [g for _, g in pairs])
+    values = metrics.from_statistics(base_table, cand_table)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.nan_to_num(stats.rms(cand_table) / stats.rms(base_table), nan=1.0, posinf=np.inf)
     for name in ("shape", "rel_l2", "cosine", "max_abs"):
         values[name] = np.zeros(len(pairs))
 
@@ -133,6 +141,8 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
                 value=float(values[m][k]),
                 tolerance=float(tolerance[m][k]),
                 divergent=bool(divergent[k]),
+                ndim=len(base.shapes[i]),
+                scale=float(scale[k]),
             )
         )
     return result

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.compare.records import PHASE_NAMES
+from twinstep.server.detect.stage import describe
 from twinstep.v1 import twinstep_pb2 as pb
 
 _PHASE_ORDER = {name: i for i, name in enumerate(PHASE_NAMES.values())}
@@ -36,6 +37,7 @@ class Candidate:
             value=row.value,
             tolerance=row.tolerance,
             candidate_run=comparison.candidate_run,
+            stage=describe(row, comparison),
         )
 
 

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.detect.stage import describe
 from twinstep.server.session import Session
 from twinstep.v1 import twinstep_pb2 as pb
 
-_STAGES = {
-    "forward": "forward: a module's output differs on the same weights and inputs; the first differing module is the suspect",
-    "loss": "loss: model outputs match but the loss differs; check the loss function and its reduction",
-    "backward": "backward: forward matches, the gradient with respect to a module output differs; check that module's backward",
-    "grad": "backward: forward and output gradients match, a parameter gradient differs; check that parameter's use",
-    "param": "optimizer: forward and gradients match, parameters after the update differ; check learning rate, "
-    "betas, epsilon, weight decay and clipping",
-}
 _MAX_ROWS = 60
 
 
@@ -34,7 +27,7 @@ def build_report(session: Session) -> pb.Report:
             row, comparison = first.row, first.comparison
             row, comparison = first.row, first.comparison
             report.first_divergence.CopyFrom(first.to_proto())
-            report.stage = _STAGES.get(row.phase, row.phase)
+            report.stage = describe(row, comparison)
             report.tree.extend(_tree_rows(comparison, row))
         elif session.last_comparison is not None:
             report.tree.extend(_tree_rows(session.last_comparison, None))

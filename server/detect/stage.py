@@ -1,0 +1,85 @@
+"""Say in words which stage of training a first divergence points at.
+
+Follows the seed workflow: step-0 forward differs -> forward; forward matches,
+output or parameter gradients differ -> backward; forward and gradients match,
+parameters after the update differ -> optimizer; weights matched after step
+k-1 but step k's very first module differs -> data.
+"""
+
+from __future__ import annotations
+
+from twinstep.server.compare.comparator import Row, StepComparison
+
+_COMMON_FACTOR = 1e-3  # relative spread under which per-tensor scales count as one factor
+
+
+def describe(row: Row, comparison: StepComparison) -> str:
+    name = row.name or "(model)"
+    step = comparison.step
+    in_phase = [r for r in comparison.rows if r.phase == row.phase]
+    divergent = [r for r in in_phase if r.divergent]
+    if row.phase == "forward":
+        if step > 0 and in_phase and in_phase[0] is row:
+            return (
+                f"data: step {step} differs from its very first module ({name}) while every earlier step, "
+                f"and the weights after step {step - 1}, matched: the candidate was fed different inputs "
+                "(batch order, shuffling, preprocessing)"
+            )
+        if step > 0:
+            return (
+                f"forward at step {step}: earlier steps and the weights matched, yet {name} ({row.type}) differs: "
+                "a data-dependent difference in that module"
+            )
+        return (
+            f"forward: {name} ({row.type}) is the first module whose output differs on identical weights and "
+            "inputs; check its implementation (activation variant, epsilon, scaling, rotary base, dropout, layout)"
+        )
+    if row.phase == "loss":
+        return "loss: the model outputs matched but the loss differs; check the loss function, its reduction and label handling"
+    if row.phase == "backward":
+        position = in_phase.index(row)
+        after = in_phase[position - 1].name if position > 0 else None
+        where = f"between the output gradients of {after or '(model)'!r} (matches) and {name!r} (differs)"
+        return (
+            f"backward: forward and loss matched; the first gradient that differs is {where}: check the backward "
+            "of the code in between (a custom backward, detach, in-place ops)"
+        )
+    if row.phase == "grad":
+        factor = _common_factor(divergent)
+        if factor is not None and len(divergent) == len(in_phase):
+            return (
+                f"backward: output gradients matched, every parameter gradient differs by the same factor "
+                f"x{factor:.4g}: gradient clipping or loss scaling on one side"
+            )
+        return (
+            f"backward: output gradients matched but the gradient of parameter {name} differs: check how that "
+            "parameter is used (weight tying, gradient hooks, a custom backward)"
+        )
+    if row.phase == "param":
+        matrices = [r for r in divergent if r.ndim >= 2]
+        if not matrices:
+            kind = "only 1-D parameters (norm weights, biases)"
+            hint = "weight decay applied to parameters the baseline exempts (or the reverse)"
+        elif len(divergent) == len(in_phase) or len(divergent) >= 0.9 * len(in_phase):
+            kind = f"{len(divergent)} of {len(in_phase)} parameters"
+            hint = "learning rate, schedule, betas or epsilon"
+            zero_init = _common_factor([r for r in divergent if r.ndim == 1 and abs(r.scale - 1.0) > _COMMON_FACTOR])
+            if step == 0 and zero_init is not None:
+                hint = f"learning rate (zero-initialised parameters moved x{zero_init:.4g} as far in the first update)"
+        else:
+            kind = f"{len(divergent)} of {len(in_phase)} parameters"
+            hint = "per-parameter-group settings (learning rate, weight decay, clipping of some groups)"
+        return (
+            f"optimizer: forward and gradients matched; after the update {kind} differ, first {name}: check {hint}"
+        )
+    return row.phase
+
+
+def _common_factor(rows: list[Row]) -> float | None:
+    scales = [r.scale for r in rows]
+    if not scales:
+        return None
+    low, high = min(scales), max(scales)
+    if low <= 0 or high / low - 1.0 > _COMMON_FACTOR or abs(low - 1.0) <= _COMMON_FACTOR:
+        return None
+    return (low + high) / 2
