@@ -51,6 +51,7 @@ class Monitor:
         session: str,
         run: str,
         baseline: bool,
+        reference: bool,
         server: str,
         capture: CaptureConfig,
         rank: int,
@@ -86,6 +87,7 @@ class Monitor:
             client_version=__version__,
             capture=capture.capture,
             max_lead=lockstep,
+            reference=reference,
         )
         self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
         self._client.add_manifest([], self._recorder.parameter_infos)
@@ -201,6 +203,7 @@ def attach(
     session: str,
     run: str,
     baseline: bool = False,
+    reference: bool = False,
     server: str | None = None,
     capture: str = "stats",
     include: Sequence[str] = ("*",),
@@ -218,7 +221,10 @@ def attach(
     Args:
         session: comparison session name; both trainings use the same one.
         run: this training's name within the session (e.g. "torch", "paddle").
-        baseline: True for the reference run the others are judged against.
+        baseline: True for the run the others are judged against.
+        reference: True for a rerun of the baseline (determinism off, or another
+            precision) that measures its own noise: candidates are then judged
+            against multiples of each record's noise band.
         server: ``host:port``; defaults to ``$TWINSTEP_SERVER``.
         capture: "stats" (per-tensor statistics) or "tensors" (plus lossless full tensors).
         include, exclude: glob patterns over module names selecting what is hooked.
@@ -247,6 +253,7 @@ def attach(
         session=session,
         run=run,
         baseline=baseline,
+        reference=reference,
         server=target,
         capture=CaptureConfig(capture=capture, include=tuple(include), exclude=tuple(exclude), every=every),
         rank=resolved_rank,

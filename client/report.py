@@ -74,6 +74,11 @@ def render_text(report: pb.Report) -> str:
         lines.append("")
         lines.append(f"{phase} records, step {report.first_divergence.step if report.HasField('first_divergence') else 'last compared'}:")
         lines.extend(_tree_lines(report.tree))
+    for summary in report.long_run:
+        lines.append("")
+        lines.append(f"long run, candidate {summary.candidate_run!r}: {summary.steps} steps compared, "
+                     f"criteria over the last {summary.window}:")
+        lines.extend(f"  {verdict}" for verdict in summary.verdicts)
     if report.unmatched_baseline or report.unmatched_candidate:
         lines.append("")
         if report.unmatched_baseline:
@@ -88,12 +93,14 @@ def render_text(report: pb.Report) -> str:
 def _tree_lines(rows: Any) -> list[str]:
     labels = _labels([r.name for r in rows])
     width = max(len(label) for label in labels)
+    with_noise = any(r.noise >= 0 for r in rows)
     out = []
     for r, label in zip(rows, labels):
         verdict = "DIVERGED" if r.divergent else "ok"
         marker = "  <== first divergence" if r.first else ""
+        noise = (f"  noise {r.noise:8.1e}" if r.noise >= 0 else "  noise        -") if with_noise else ""
         out.append(
-            f"  {label:<{width}}  {r.type[:18]:<18} {r.metric:<9} {r.value:9.2e} / {r.tolerance:8.1e}  {verdict}{marker}"
+            f"  {label:<{width}}  {r.type[:18]:<18} {r.metric:<9} {r.value:9.2e} / {r.tolerance:8.1e}{noise}  {verdict}{marker}"
         )
     return out
 

@@ -26,6 +26,12 @@ class ServerConfig:
     mapping: NameMapping = field(default_factory=NameMapping)
     max_workers: int = 256
     """gRPC handler threads: each training process and each watcher holds one."""
+    noise_multiple: float = 3.0
+    """With a reference rerun in the session, a candidate's tolerance is this multiple of the record's noise band."""
+    noise_floor: float = 0.1
+    """... but never below this fraction of the default tolerance (a deterministic rerun has a band of 0)."""
+    drift_window: int = 1000
+    """Steps averaged by the long-run loss and gradient-norm criteria (the seeds ask for at least 1000)."""
     max_message_bytes: int = 256 << 20
     """Largest client message accepted; larger ones end that stream with RESOURCE_EXHAUSTED."""
 
@@ -38,7 +44,7 @@ class ServerConfig:
             raise ValueError("max_workers must be at least 4")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -76,7 +82,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])

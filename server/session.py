@@ -22,7 +22,9 @@ from twinstep.server.compare.comparator import CompareContext, StepComparison, c
 from twinstep.server.compare.records import Manifest, decode_step
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
+from twinstep.server.detect.drift import LongRunTracker
 from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
+from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.errors import InputError, invalid
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -52,6 +54,7 @@ class RunState:
     world_size: int
     capture: str
     max_lead: int
+    reference: bool = False
     ranks: dict[int, RankState] = field(default_factory=dict)
 
     @property
@@ -95,6 +98,9 @@ class Session:
         self.unmatched_candidate: dict[str, None] = {}
         self._last_progress = 0.0
         self._bound_mappings: dict[tuple[str, int], tuple[int, object]] = {}
+        self._deferred: dict[int, list] = {}
+        self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
+        self.long_run = LongRunTracker(config.drift_window)
         self._halt_ids = itertools.count(1)
         self._halt_acks: dict[int, dict[int, int]] = {}
         self._halt_cond = threading.Condition(self.lock)
@@ -103,6 +109,16 @@ class Session:
 
     @property
     def candidates(self) -> list[str]:
+        """Runs judged against the baseline."""
+        return [name for name, run in self.runs.items() if not run.baseline and not run.reference]
+
+    @property
+    def references(self) -> list[str]:
+        """Reruns of the baseline that measure its own noise."""
+        return [name for name, run in self.runs.items() if run.reference]
+
+    @property
+    def _compared_runs(self) -> list[str]:
         return [name for name, run in self.runs.items() if not run.baseline]
 
     def join(self, conn: Connection, hello: pb.Hello) -> pb.ServerMessage:
@@ -115,6 +131,8 @@ class Session:
             raise invalid("hello needs a run name")
         if hello.world_size < 1 or hello.rank >= hello.world_size:
             raise invalid(f"rank {hello.rank} is outside world size {hello.world_size}")
+        if hello.baseline and hello.reference:
+            raise invalid("a run is either the baseline or a reference rerun of it, not both")
         with self.lock:
             run = self.runs.get(hello.run)
             if hello.baseline and self.baseline not in (None, hello.run):
@@ -132,11 +150,14 @@ class Session:
                     world_size=hello.world_size,
                     capture=hello.capture,
                     max_lead=hello.max_lead,
+                    reference=hello.reference,
                 )
                 self.runs[hello.run] = run
                 if hello.baseline:
                     self.baseline = hello.run
-            elif run.baseline != hello.baseline or run.world_size != hello.world_size or run.framework != hello.framework:
+            elif (run.baseline, run.reference, run.world_size, run.framework) != (
+                hello.baseline, hello.reference, hello.world_size, hello.framework
+            ):
                 raise InputError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"run {hello.run!r} joined as baseline={run.baseline}, world_size={run.world_size}, "
@@ -177,7 +198,8 @@ class Session:
             rank_state.connection = None
             if not conn.closed_cleanly:
                 rank_state.state = "lost"
-            self._aligner(conn.rank).finish(run.name, self.baseline, self.candidates)
+            self._aligner(conn.rank).finish(run.name, self.baseline, self._compared_runs)
+            self._run_deferred(conn.rank)
             declared = self._declare()
         self._announce(declared)
         self._update_credits(conn.rank)
@@ -208,24 +230,49 @@ class Session:
             rank_state.client_dropped = sum(message.dropped.values())
             if data.step > rank_state.last_step:
                 rank_state.last_step = data.step
-            pairs = self._aligner(conn.rank).add(conn.run or "", data, self.baseline, self.candidates)
-            for candidate_run, base_step, cand_step in pairs:
-                self._compare(candidate_run, base_step, cand_step)
+            pairs = self._aligner(conn.rank).add(conn.run or "", data, self.baseline, self._compared_runs)
+            # Reference steps first: a candidate's step is judged with that step's noise band.
+            pairs.sort(key=lambda pair: not self.runs[pair[0]].reference)
+            self._deferred.setdefault(conn.rank, []).extend(pairs)
+            self._run_deferred(conn.rank)
             declared = self._declare()
         self._announce(declared)
         self._update_credits(conn.rank)
         self._publish_progress()
 
+    def _run_deferred(self, rank: int) -> None:
+        """Compare what is ready; a candidate step waits until every reference has passed it."""
+        waiting = []
+        deferred = self._deferred.get(rank, [])
+        for run, base_step, other_step in deferred:
+            if not self.runs[run].reference and len(deferred) <= self.config.window_steps:
+                behind = [
+                    ref for ref in self.references
+                    if self.runs[ref].effective_step(rank) < base_step.step
+                ]
+                if behind:
+                    waiting.append((run, base_step, other_step))
+                    continue
+            self._compare(run, base_step, other_step)
+        self._deferred[rank] = waiting
+
     def _compare(self, candidate_run: str, base_step, cand_step) -> None:
         base_run = self.runs[self.baseline or ""]
+        reference = self.runs[candidate_run].reference
         ctx = CompareContext(
             base_framework=base_run.framework,
             cand_framework=self.runs[candidate_run].framework,
             candidate_run=candidate_run,
             tolerances=self.config.tolerances,
             mapping=self._mapping_for(candidate_run, cand_step.rank),
+            noise=None if reference or not self.references else self.noise,
+            keep_values=reference,
         )
         comparison = compare_step(base_step, cand_step, ctx)
+        self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
+        if reference:
+            self.noise.add(comparison, comparison.values)
+            return
         self.tracker.add(comparison)
         self.last_comparison = comparison
         for name in comparison.unmatched_baseline:
@@ -254,12 +301,16 @@ class Session:
         if self.baseline is None:
             return []
         base = self.runs[self.baseline]
+        # Candidate steps wait for the references' noise bands, so references bound the frontier too.
+        references = [self.runs[name] for name in self.references]
         frontier: dict[str, float] = {}
         for name in self.candidates:
             cand = self.runs[name]
             ranks = range(min(base.world_size, cand.world_size))
             frontier[name] = min(
-                (min(base.effective_step(r), cand.effective_step(r)) for r in ranks), default=-1
+                (min([base.effective_step(r), cand.effective_step(r)] + [ref.effective_step(r) for ref in references])
+                 for r in ranks),
+                default=-1,
             )
         return self.tracker.declare(frontier)
 

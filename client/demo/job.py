@@ -129,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--session", default=os.environ.get("TWINSTEP_SESSION", "demo"))
     p.add_argument("--run", default=None, help="run name (default: the framework)")
-    p.add_argument("--baseline", action="store_true", help="this run is the reference the other is judged against")
+    p.add_argument("--baseline", action="store_true", help="this run is the one the others are judged against")
+    p.add_argument("--reference", action="store_true", help="this run is a rerun of the baseline measuring its noise")
     p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
     p.add_argument("--bug", choices=("none", "gelu_tanh", "lr"), default="none",
                    help="inject a divergence: tanh GELU in layers.1.mlp.act, or lr 1.1e-3")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         import twinstep
 
         mon = twinstep.attach(
-            trainer.inner, session=args.session, run=run, baseline=args.baseline,
+            trainer.inner, session=args.session, run=run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, lockstep=args.lockstep,
         )
         halted_type = twinstep.Halted

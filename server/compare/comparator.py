@@ -8,6 +8,7 @@ metrics only where both sides sent the tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from twinstep.server.compare import layout, metrics
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.compare.records import PHASE_NAMES, StepData
 from twinstep.server.compare.tolerance import METRICS, ToleranceConfig
+
+if TYPE_CHECKING:
+    from twinstep.server.detect.noise import NoiseBands
 from twinstep.v1 import twinstep_pb2 as pb
 
 _PARAM_PHASES = (pb.GRAD, pb.PARAM)
@@ -39,6 +43,8 @@ class Row:
     """Dimensions of the baseline tensor (1 for biases and norm weights)."""
     scale: float = 1.0
     """Candidate RMS over baseline RMS: a common factor across records points at scaling or clipping."""
+    noise: float = -1.0
+    """The baseline's own run-to-run value of ``metric`` (reference rerun); -1 when unknown."""
 
 
 @dataclass
@@ -50,6 +56,8 @@ class StepComparison:
     unmatched_baseline: list[str] = field(default_factory=list)
     unmatched_candidate: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    values: dict[tuple[str, str, int, int], dict[str, float]] = field(default_factory=dict)
+    """Every metric of every row, kept only when the context asks (reference runs)."""
 
     @property
     def first(self) -> Row | None:
@@ -63,6 +71,9 @@ class CompareContext:
     candidate_run: str
     tolerances: ToleranceConfig
     mapping: NameMapping
+    noise: "NoiseBands | None" = None
+    """Noise bands from a reference rerun: tolerances become multiples of them."""
+    keep_values: bool = False
 
 
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
@@ -111,11 +122,18 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             for name, value in metrics.from_tensors(a, b).items():
                 values[name][k] = value
 
+    names = [_group_name([base.names[x] for x in group]) for group, _ in pairs]
+    keys = [(PHASE_NAMES[int(base.phase[i])], names[k], int(base.call_index[i]), int(base.slot[i])) for k, i in enumerate(ib.tolist())]
     tolerance = {m: np.empty(len(pairs)) for m in METRICS}
     for k, i in enumerate(ib.tolist()):
-        limits = ctx.tolerances.for_record(PHASE_NAMES[int(base.phase[i])], base.names[i], base.dtypes[i])
+        limits = ctx.tolerances.for_record(keys[k][0], base.names[i], base.dtypes[i])
         for m in METRICS:
-            tolerance[m][k] = limits[m]
+            limit = limits[m]
+            if ctx.noise is not None and m not in ("shape", "nonfinite") and np.isfinite(limit):
+                limit = ctx.noise.tolerance(keys[k], m, limit)
+            tolerance[m][k] = limit
+    if ctx.keep_values:
+        result.values = {key: {m: float(values[m][k]) for m in METRICS} for k, key in enumerate(keys)}
     over = np.stack([values[m] > tolerance[m] for m in METRICS])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.stack(
@@ -129,10 +147,11 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     for k, (base_group, cand_group) in enumerate(pairs):
         i = base_group[0]
         m = METRICS[int(worst_over[k] if divergent[k] else worst[k])]
+        band = ctx.noise.band(keys[k]) if ctx.noise is not None else None
         result.rows.append(
             Row(
-                phase=PHASE_NAMES[int(base.phase[i])],
-                name=_group_name([base.names[x] for x in base_group]),
+                phase=keys[k][0],
+                name=names[k],
                 candidate_name=_group_name([cand.names[x] for x in cand_group]),
                 type=base.types[i],
                 call_index=int(base.call_index[i]),
@@ -143,6 +162,7 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
                 divergent=bool(divergent[k]),
                 ndim=len(base.shapes[i]),
                 scale=float(scale[k]),
+                noise=band.get(m, 0.0) if band is not None else -1.0,
             )
         )
     return result

@@ -31,6 +31,10 @@ def build_report(session: Session) -> pb.Report:
             report.tree.extend(_tree_rows(comparison, row))
         elif session.last_comparison is not None:
             report.tree.extend(_tree_rows(session.last_comparison, None))
+        for run in session.candidates:
+            summary = session.long_run.summary(run, next(iter(session.references), None), session.config.noise_multiple)
+            if summary is not None:
+                report.long_run.append(summary)
     return report
 
 
@@ -55,6 +59,7 @@ def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleR
             divergent=r.divergent,
             first=r is first,
             compared=True,
+            noise=r.noise,
         )
         for r in rows[: _MAX_ROWS * 2]
     ]

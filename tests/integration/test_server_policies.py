@@ -178,3 +178,67 @@ def test_msprobe_layer_mapping_file(tmp_path):
         assert report.first_divergence.candidate_module == "0.module.module.decoder.layers.0.self_attention.linear_proj"
     finally:
         handle.stop(grace=0.1)
+
+
+@pytest.mark.parametrize(
+    ("reference_error", "candidate_error", "diverges"),
+    [
+        (1e-4, 2e-4, False),  # noisy baseline: 2e-4 is inside 3x its own band (the default 5e-5 would flag it)
+        (1e-6, 2e-5, True),   # quiet baseline: 2e-5 is far outside its band (the default 5e-5 would pass it)
+    ],
+)
+def test_reference_rerun_sets_noise_bands(server, reference_error, candidate_error, diverges):
+    modules = [(0, "fc", "Linear")]
+    # Without a reference the defaults decide, the other way round.
+    session = f"noise-{reference_error}"
+    base = open_run(server.address, session, "base", True, modules)
+    cand = open_run(server.address, session, "cand", False, modules)
+    for s in range(3):
+        base.send(step(s, [(0, X)]))
+        cand.send(step(s, [(0, X * (1 + candidate_error))]))
+    finish(base, 2)
+    finish(cand, 2)
+    assert server.report_proto(session).HasField("first_divergence") is not diverges
+
+    session = f"noise-ref-{reference_error}"
+    base = open_run(server.address, session, "base", True, modules)
+    message = hello(session, "rerun")
+    message.hello.reference = True
+    ref = RawStream(server.address).send(message)
+    assert ref.next().WhichOneof("body") == "welcome"
+    ref.send(manifest(*modules))
+    cand = open_run(server.address, session, "cand", False, modules)
+    for s in range(3):
+        cand.send(step(s, [(0, X * (1 + candidate_error))]))  # the candidate runs ahead of the reference
+        base.send(step(s, [(0, X)]))
+    for s in range(3):
+        ref.send(step(s, [(0, X * (1 + reference_error))]))
+    for stream, last in ((base, 2), (cand, 2), (ref, 2)):
+        finish(stream, last)
+    report = server.report_proto(session)
+    assert report.HasField("first_divergence") is diverges
+    noisy = [row for row in report.tree if row.name == "fc"][0]
+    assert noisy.noise > 0  # the report shows each module's noise band
+    assert {r.name for r in report.runs} == {"base", "rerun", "cand"}
+
+
+@pytest.mark.parametrize(("error", "passes"), [(0.004, True), (0.05, False)])
+def test_long_run_criteria(server, error, passes):
+    session = f"long-{error}"
+    base = open_run(server.address, session, "base", True, [(0, "fc", "Linear")])
+    cand = open_run(server.address, session, "cand", False, [(0, "fc", "Linear")])
+    rng = np.random.default_rng(0)
+    for s in range(40):
+        loss = 5.0 - 0.05 * s
+        base.send(step(s, [(0, np.array(loss))], phase=pb.LOSS))
+        cand.send(step(s, [(0, np.array(loss + error * rng.choice([-1, 1])))], phase=pb.LOSS))
+    finish(base, 39)
+    finish(cand, 39)
+    summary = server.report_proto(session).long_run[0]
+    assert summary.steps == 40 and summary.candidate_run == "cand"
+    assert summary.loss_mean_abs == pytest.approx(error, rel=1e-3)
+    verdicts = "\n".join(summary.verdicts)
+    expected = "PASS" if passes else "FAIL"
+    assert f"{expected} first loss" in verdicts and f"{expected} mean loss error" in verdicts, verdicts
+    assert "global grad norm" not in verdicts  # no gradients were sent: no verdict rather than a made-up one
+    assert "oscillates around 0" in verdicts

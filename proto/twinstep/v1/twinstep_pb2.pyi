@@ -57,7 +57,7 @@ RAW: Codec
 ZSTD: Codec
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead")
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class Hello(_message.Message):
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     run: str
@@ -84,7 +85,8 @@ class Hello(_message.Message):
     client_version: str
     capture: str
     max_lead: int
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ...) -> None: ...
+    reference: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("id", "name", "type")
@@ -371,7 +373,7 @@ class ReportRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class ModuleRow(_message.Message):
-    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared")
+    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared", "noise")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +383,7 @@ class ModuleRow(_message.Message):
     DIVERGENT_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     COMPARED_FIELD_NUMBER: _ClassVar[int]
+    NOISE_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: str
     candidate_name: str
@@ -390,10 +393,39 @@ class ModuleRow(_message.Message):
     divergent: bool
     first: bool
     compared: bool
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ...) -> None: ...
+    noise: float
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ..., noise: _Optional[float] = ...) -> None: ...
+
+class LongRun(_message.Message):
+    __slots__ = ("candidate_run", "steps", "window", "first_loss_abs", "first_loss_rel", "loss_mean_abs", "loss_mean_rel", "loss_mean_signed", "grad_norm_mean_rel", "reference_loss_mean_abs", "reference_grad_norm_mean_rel", "verdicts")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOSS_ABS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOSS_REL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MEAN_ABS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MEAN_REL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MEAN_SIGNED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_MEAN_REL_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_LOSS_MEAN_ABS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_GRAD_NORM_MEAN_REL_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    steps: int
+    window: int
+    first_loss_abs: float
+    first_loss_rel: float
+    loss_mean_abs: float
+    loss_mean_rel: float
+    loss_mean_signed: float
+    grad_norm_mean_rel: float
+    reference_loss_mean_abs: float
+    reference_grad_norm_mean_rel: float
+    verdicts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +437,7 @@ class Report(_message.Message):
     UNMATCHED_BASELINE_FIELD_NUMBER: _ClassVar[int]
     UNMATCHED_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LONG_RUN_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -416,7 +449,8 @@ class Report(_message.Message):
     unmatched_baseline: _containers.RepeatedScalarFieldContainer[str]
     unmatched_candidate: _containers.RepeatedScalarFieldContainer[str]
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    long_run: _containers.RepeatedCompositeFieldContainer[LongRun]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ...) -> None: ...
 
 class HaltRequest(_message.Message):
     __slots__ = ("session", "reason")

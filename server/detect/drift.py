@@ -1,0 +1,117 @@
+"""Long runs: loss and global gradient norm against the seeds' acceptance criteria.
+
+Single-step alarms suit the first steps; over thousands of steps two correct
+trainings drift apart, so the seeds judge long runs by windowed averages
+(MindSpore's migration standard): first loss within 0.005 absolute or 0.5%
+relative; mean loss error below 0.01 absolute or 1% relative; mean relative
+error of the global gradient norm at most 10%.  With a reference rerun the
+candidate is also judged against the baseline's own run-to-run error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twinstep.server.compare.records import StepData
+from twinstep.v1 import twinstep_pb2 as pb
+
+FIRST_LOSS_ABS, FIRST_LOSS_REL = 0.005, 0.005
+MEAN_LOSS_ABS, MEAN_LOSS_REL = 0.01, 0.01
+GRAD_NORM_MEAN_REL = 0.10
+
+
+def loss_and_grad_norm(data: StepData) -> tuple[float, float]:
+    """The step's loss (NaN when not sent) and global gradient norm (NaN without gradients)."""
+    loss_rows = data.phase == pb.LOSS
+    loss = float(data.table["sum"][loss_rows][0]) if loss_rows.any() else math.nan
+    grad_rows = data.phase == pb.GRAD
+    norm = float(np.sqrt(data.table["sum_sq"][grad_rows].sum())) if grad_rows.any() else math.nan
+    return loss, norm
+
+
+@dataclass
+class _Series:
+    # step -> rank -> (baseline loss, other loss, baseline grad norm, other grad norm)
+    steps: dict[int, dict[int, tuple[float, float, float, float]]] = field(default_factory=dict)
+
+    def add(self, step: int, rank: int, base: StepData, other: StepData) -> None:
+        bl, bg = loss_and_grad_norm(base)
+        ol, og = loss_and_grad_norm(other)
+        self.steps.setdefault(step, {})[rank] = (bl, ol, bg, og)
+
+    def arrays(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per step (rank-averaged): columns baseline loss, other loss, baseline norm, other norm."""
+        steps = sorted(self.steps)
+        rows = np.array([np.mean(list(self.steps[s].values()), axis=0) for s in steps]) if steps else np.zeros((0, 4))
+        return np.array(steps[-window:] if window else steps), rows[-window:] if window else rows
+
+
+class LongRunTracker:
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._series: dict[str, _Series] = {}
+
+    def add(self, run: str, step: int, rank: int, base: StepData, other: StepData) -> None:
+        self._series.setdefault(run, _Series()).add(step, rank, base, other)
+
+    def summary(self, run: str, reference: str | None, noise_multiple: float) -> pb.LongRun | None:
+        series = self._series.get(run)
+        if series is None or not series.steps:
+            return None
+        all_steps, all_rows = series.arrays(0)
+        steps, rows = series.arrays(self.window)
+        out = pb.LongRun(candidate_run=run, steps=len(all_steps), window=len(steps),
+                         reference_loss_mean_abs=-1.0, reference_grad_norm_mean_rel=-1.0)
+        first = all_rows[0]
+        first_abs, first_rel = _abs_rel(first[0], first[1])
+        out.first_loss_abs, out.first_loss_rel = float(first_abs), float(first_rel)
+        loss_abs, loss_rel = _abs_rel(rows[:, 0], rows[:, 1])
+        out.loss_mean_abs = _mean(loss_abs)
+        out.loss_mean_rel = _mean(loss_rel)
+        out.loss_mean_signed = _mean(rows[:, 1] - rows[:, 0])
+        out.grad_norm_mean_rel = _mean(_abs_rel(rows[:, 2], rows[:, 3])[1])
+        verdicts = [
+            _verdict("first loss", out.first_loss_abs <= FIRST_LOSS_ABS or out.first_loss_rel <= FIRST_LOSS_REL,
+                     f"|Δ| {out.first_loss_abs:.3g}, {100 * out.first_loss_rel:.3g}% (limit 0.005 or 0.5%)"),
+            _verdict("mean loss error", out.loss_mean_abs <= MEAN_LOSS_ABS or out.loss_mean_rel <= MEAN_LOSS_REL,
+                     f"|Δ| {out.loss_mean_abs:.3g}, {100 * out.loss_mean_rel:.3g}% over {len(steps)} steps (limit 0.01 or 1%)"),
+        ]
+        if math.isfinite(out.grad_norm_mean_rel):
+            verdicts.append(_verdict("global grad norm", out.grad_norm_mean_rel <= GRAD_NORM_MEAN_REL,
+                                     f"mean relative error {100 * out.grad_norm_mean_rel:.3g}% (limit 10%)"))
+        if out.loss_mean_abs > 0:
+            bias = abs(out.loss_mean_signed) / out.loss_mean_abs
+            verdicts.append(f"loss error {'oscillates around 0' if bias < 0.5 else 'is biased to one side'} "
+                            f"(mean signed / mean absolute = {bias:.2f})")
+        ref = self._series.get(reference) if reference else None
+        if ref is not None and ref.steps:
+            _, ref_rows = ref.arrays(self.window)
+            out.reference_loss_mean_abs = _mean(_abs_rel(ref_rows[:, 0], ref_rows[:, 1])[0])
+            out.reference_grad_norm_mean_rel = _mean(_abs_rel(ref_rows[:, 2], ref_rows[:, 3])[1])
+            band = noise_multiple * out.reference_loss_mean_abs
+            verdicts.append(_verdict("within the baseline's own noise", out.loss_mean_abs <= band,
+                                     f"mean loss |Δ| {out.loss_mean_abs:.3g} vs {noise_multiple:g} x reference "
+                                     f"{out.reference_loss_mean_abs:.3g}"))
+        out.verdicts.extend(verdicts)
+        return out
+
+
+def _abs_rel(base, other):
+    base = np.asarray(base, dtype=np.float64)
+    diff = np.abs(np.asarray(other, dtype=np.float64) - base)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(np.abs(base) > 0, diff / np.abs(base), np.where(diff > 0, np.inf, 0.0))
+    return diff, np.where(np.isnan(diff), np.nan, rel)
+
+
+def _mean(values) -> float:
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    return float(values.mean()) if values.size else math.nan
+
+
+def _verdict(name: str, ok: bool, detail: str) -> str:
+    return f"{'PASS' if ok else 'FAIL'} {name}: {detail}"

@@ -1,0 +1,108 @@
+"""Command line and training loop shared by torch_job and paddle_job.
+
+The two jobs must differ only in the framework (and an injected --bug), so the
+arguments, the step loop, the twinstep calls and the result file are defined once
+here. The loop is the one of client/demo/job.py: forward + loss + backward +
+optimizer step inside ``trainer.train_step``, then ``mon.step(loss=loss)`` before the
+gradients are cleared, and ``twinstep.Halted`` ends the run cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Protocol
+
+from . import models
+
+
+class Trainer(Protocol):
+    """What a framework job provides to the shared loop."""
+
+    model: Any  # the module/layer handed to twinstep.attach
+
+    def batch(self, step: int) -> tuple[Any, Any]: ...
+    def train_step(self, ids: Any, tgt: Any) -> Any: ...
+    def zero_grad(self) -> None: ...
+
+
+class _NoMonitor:
+    """Stands in for the twinstep monitor when the job trains on its own (--no-monitor)."""
+
+    def step(self, loss: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def parser(prog: str, description: str, framework: str) -> argparse.ArgumentParser:
+    """The CLI of client/demo/job.py (minus --framework), plus --model and --weights."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--model", choices=models.MODEL_NAMES, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--session", default=os.environ.get("TWINSTEP_SESSION", "ports"))
+    p.add_argument("--run", default=framework, help=f"run name (default: {framework})")
+    p.add_argument("--baseline", action="store_true", help="this run is the reference the other is judged against")
+    p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
+    p.add_argument("--capture", choices=("stats", "tensors"), default="stats")
+    p.add_argument("--no-monitor", action="store_true", help="train without twinstep")
+    p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep per step (simulate a slow job)")
+    p.add_argument("--lockstep", type=int, default=0, metavar="N",
+                   help="wait while this run leads the other by N steps (0: never wait)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
+    p.add_argument("--weights", required=True, metavar="PATH",
+                   help="initial weights (.npz, torch names and layouts): written by the torch job, read by the paddle job")
+    return p
+
+
+def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None = None) -> int:
+    """Train args.steps steps, optionally under twinstep; write args.result_file at the end."""
+    prefix = f"[{args.run}]"
+    if args.no_monitor:
+        mon: Any = _NoMonitor()
+        halted_type: Any = ()  # an empty tuple in `except` catches nothing
+    else:
+        import twinstep
+
+        mon = twinstep.attach(
+            trainer.model, session=args.session, run=args.run, baseline=args.baseline,
+            server=args.server, capture=args.capture, lockstep=args.lockstep,
+        )
+        halted_type = twinstep.Halted
+
+    losses: list[float] = []
+    halted, halt_reason, halt_step = False, None, None
+    try:
+        for step in range(args.steps):
+            ids, tgt = trainer.batch(step)
+            loss = trainer.train_step(ids, tgt)
+            losses.append(float(loss.item()))
+            print(f"{prefix} step {step} loss {losses[-1]:.6f}", flush=True)
+            mon.step(loss=loss)
+            trainer.zero_grad()
+            if args.step_delay > 0:
+                time.sleep(args.step_delay)
+    except halted_type as h:
+        halted, halt_reason, halt_step = True, h.reason, h.step
+        print(f"{prefix} halted at step {h.step}: {h.reason}", flush=True)
+    finally:
+        mon.close()
+        if args.result_file:
+            result = {
+                "model": args.model,
+                "steps_completed": len(losses),  # optimizer steps taken, including a step whose report halted
+                "halted": halted,
+                "halt_reason": halt_reason,
+                "halt_step": halt_step,
+                "losses": losses,
+                "rank": 0,
+                **(extra or {}),
+            }
+            with open(args.result_file, "w") as f:
+                json.dump(result, f)
+    return 0

@@ -1,0 +1,410 @@
+"""Framework-neutral definition of the real-model ports: configs, data, weight conversion.
+
+The test bed trains Hugging Face ``transformers`` models (torch, the baseline) against
+their ``paddleformers`` ports (paddle, the candidate), each in its own process. Both
+jobs take their config, batches and weight-layout rules from here, so a difference
+between the two runs comes from the two libraries (or an injected bug), never from
+the set-up. Only numpy is imported: a torch job never loads paddle and vice versa,
+and importing this module costs nothing next to the frameworks themselves.
+
+Weights are created once, by the torch job, and handed to the paddle job as an .npz
+file in torch names and layouts; ``torch_to_paddle`` converts them. paddleformers
+fuses some projections that transformers keeps apart (see ``fuse_qkv`` and
+``fuse_gate_up`` for the exact layouts, read from paddleformers 1.2.0's source).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Tiny sizes: every job imports a framework and a model library, which dominates
+# its run time, so the model itself must cost milliseconds per step.
+VOCAB = 256
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2  # all three architectures support grouped-query attention
+HEAD_DIM = HIDDEN // HEADS
+INTERMEDIATE = 128
+SEQ = 16
+BATCH = 2
+RMS_EPS = 1e-6
+ROPE_THETA = 10000.0
+PAD_ID = 0  # never produced by batch(): torch zeroes the pad row's gradient, paddle may not
+
+# Optimizer of both jobs (AdamW with decoupled weight decay, the same update rule in
+# torch.optim.AdamW and paddle.optimizer.AdamW). Norm weights and biases are not decayed.
+LR = 1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 0.01
+
+MODEL_NAMES = ("phi3", "ernie4_5", "gemma3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where each framework's implementation lives and how to configure it identically."""
+
+    name: str
+    torch_class: str  # attribute of the `transformers` package
+    torch_config_class: str
+    torch_config: dict[str, Any]
+    paddle_module: str  # paddleformers module holding both classes
+    paddle_class: str
+    paddle_config_class: str
+    paddle_config: dict[str, Any]
+    # paddle fuses q/k/v into one qkv_proj with KV-group-interleaved heads (fuse_qkv) ...
+    fused_qkv: bool = False
+    # ... and gate/up into one up_gate_proj, [gate | up] along the output axis (fuse_gate_up).
+    fused_gate_up: bool = False
+    # Config keys, per framework, of the knobs the injected bugs turn (names differ per library).
+    attention_dropout_key: str = "attention_dropout"
+    activation_key: str = "hidden_act"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _common(**over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=4 * SEQ,
+        rms_norm_eps=RMS_EPS,
+        tie_word_embeddings=False,  # one weight per name on both sides keeps the mapping 1:1
+        use_cache=False,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg.update(over)
+    return cfg
+
+
+# paddleformers: its fused RMSNorm kernel has no CPU implementation, and the other
+# fusions default to off but are pinned so that a library default change cannot
+# silently switch the port to a different kernel.
+_PADDLE_CPU = dict(
+    fuse_rms_norm=False,
+    fuse_swiglu=False,
+    apply_rope_fusion=False,
+    use_fused_head_and_loss_fn=False,
+    use_fused_linear_cross_entropy=False,
+    _attn_implementation="eager",
+)
+
+SPECS: dict[str, ModelSpec] = {
+    "phi3": ModelSpec(
+        name="phi3",
+        torch_class="Phi3ForCausalLM",
+        torch_config_class="Phi3Config",
+        torch_config=_common(
+            hidden_act="silu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            original_max_position_embeddings=4 * SEQ,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        ),
+        paddle_module="paddleformers.transformers.phi3.modeling",
+        paddle_class="Phi3ForCausalLM",
+        paddle_config_class="Phi3Config",
+        paddle_config=_common(
+            hidden_act="silu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            original_max_position_embeddings=4 * SEQ,
+            rope_theta=ROPE_THETA,
+            **_PADDLE_CPU,
+        ),
+        # Both libraries fuse Phi3's qkv_proj and gate_up_proj the same way (plain
+        # [q | k | v] and [gate | up] concatenations), so only the transpose differs.
+    ),
+    "ernie4_5": ModelSpec(
+        name="ernie4_5",
+        torch_class="Ernie4_5ForCausalLM",
+        torch_config_class="Ernie4_5Config",
+        torch_config=_common(
+            hidden_act="silu",
+            head_dim=HEAD_DIM,
+            use_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        ),
+        paddle_module="paddleformers.transformers.ernie4_5.modeling",
+        paddle_class="Ernie4_5ForCausalLM",
+        paddle_config_class="Ernie4_5Config",
+        paddle_config=_common(
+            hidden_act="silu",
+            head_dim=HEAD_DIM,
+            use_bias=False,
+            rope_theta=ROPE_THETA,
+            attention_dropout_prob=0.0,
+            hidden_dropout_prob=0.0,
+            **_PADDLE_CPU,
+        ),
+        fused_qkv=True,
+        fused_gate_up=True,
+        attention_dropout_key="attention_dropout_prob",
+    ),
+    "gemma3": ModelSpec(
+        name="gemma3",
+        torch_class="Gemma3ForCausalLM",
+        torch_config_class="Gemma3TextConfig",
+        torch_config=_common(
+            head_dim=HEAD_DIM,
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            attention_dropout=0.0,
+            # paddleformers' Gemma3 falls back to SDPA, which ignores the `scaling`
+            # argument, whenever no mask is passed: with query_pre_attn_scalar equal
+            # to head_dim the two scales coincide.
+            query_pre_attn_scalar=HEAD_DIM,
+            # paddleformers 1.2.0 applies one RoPE (rope_theta) to every layer where
+            # transformers uses rope_local_base_freq on sliding layers: equal bases,
+            # and a window longer than the sequence, keep that gap out of the test bed.
+            sliding_window=4 * SEQ,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+                "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+            },
+        ),
+        paddle_module="paddleformers.transformers.gemma3_text.modeling",
+        paddle_class="Gemma3ForCausalLM",
+        paddle_config_class="Gemma3TextConfig",
+        paddle_config=_common(
+            head_dim=HEAD_DIM,
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            attention_dropout=0.0,
+            query_pre_attn_scalar=HEAD_DIM,
+            sliding_window=4 * SEQ,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            rope_theta=ROPE_THETA,
+            rope_local_base_freq=ROPE_THETA,
+            **_PADDLE_CPU,
+        ),
+        fused_qkv=True,
+        fused_gate_up=True,
+        activation_key="hidden_activation",
+    ),
+}
+
+
+def spec(name: str) -> ModelSpec:
+    """The ModelSpec of a model name, with a clear error for an unknown one."""
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}") from None
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def batch(step: int, seed: int = 0, rank: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Next-token batch (input_ids, targets), int64 [BATCH, SEQ], fixed by (seed, step, rank).
+
+    Arithmetic progressions modulo the vocabulary, with a random start and stride, so
+    the loss falls visibly. Token PAD_ID never occurs: torch's Embedding zeroes the pad
+    row's gradient and paddle's may not, which is a difference of the libraries' pad
+    handling that the test bed does not mean to test.
+    """
+    rng = np.random.default_rng([seed, step, rank])
+    start = rng.integers(0, VOCAB - 1, size=(BATCH, 1))
+    stride = rng.integers(1, 4, size=(BATCH, 1))
+    tokens = 1 + (start + stride * np.arange(SEQ + 1)) % (VOCAB - 1)
+    tokens = tokens.astype(np.int64)
+    return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+
+# --------------------------------------------------------------- parameter classes
+
+_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj|up_gate_proj)\.weight$")
+
+
+def is_linear_weight(name: str) -> bool:
+    """True for nn.Linear weights: torch stores them [out, in], paddle [in, out].
+
+    lm_head is an nn.Linear in transformers but paddleformers' LMHead keeps the
+    [vocab, hidden] layout, so it is not transposed.
+    """
+    return bool(_LINEAR.search(name))
+
+
+def decays(name: str) -> bool:
+    """Whether AdamW weight decay applies to a parameter (not to norm weights nor biases)."""
+    return not (name.endswith(".bias") or "norm" in name.rsplit(".", 2)[-2])
+
+
+# ------------------------------------------------------------ weight init (torch side)
+
+
+def init_std(name: str, shape: tuple[int, ...]) -> float | None:
+    """Standard deviation of the random initial value of a parameter, or None to keep
+    the library's own initial value (norm weights: ones, or zeros for Gemma's 1+w).
+
+    Projections get 1/sqrt(fan_in) so activations stay near unit scale, as in trained
+    models; at transformers' default 0.02 every pre-activation is so small that bugs
+    such as a different activation or RoPE base barely move the numbers. Embeddings
+    keep transformers' 0.02, so the first norm of the stack sees small inputs.
+    """
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return None
+    if name.endswith("embed_tokens.weight"):
+        return 0.02
+    return float(shape[-1]) ** -0.5
+
+
+# ---------------------------------------------------------------- fused layouts
+
+
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int = HEADS, kv_heads: int = KV_HEADS) -> np.ndarray:
+    """paddleformers' fused qkv_proj weight (paddle layout [in, out]) from torch q/k/v ([out, in]).
+
+    Ernie4_5Attention and Gemma3Attention reshape the qkv_proj output to
+    [B, S, kv_heads, (G + 2) * D] (G = heads // kv_heads query heads per KV head) and
+    split the last axis into [G * D, D, D]. So the output columns are grouped by KV
+    head g = 0..kv_heads-1, each group holding query heads g*G .. g*G+G-1, then key
+    head g, then value head g -- not a plain [q | k | v] concatenation. Query head h
+    thus uses KV head h // G, as in transformers' repeat_kv. Biases use the same order.
+    """
+    d = q.shape[0] // heads
+    g = heads // kv_heads
+    rows = []
+    for i in range(kv_heads):
+        rows += [q[i * g * d:(i + 1) * g * d], k[i * d:(i + 1) * d], v[i * d:(i + 1) * d]]
+    return np.ascontiguousarray(np.concatenate(rows, axis=0).T)
+
+
+def split_qkv(w: np.ndarray, heads: int = HEADS, kv_heads: int = KV_HEADS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of fuse_qkv: torch-layout (q, k, v) from a paddle qkv_proj weight [in, out].
+
+    Also splits the qkv_proj *output* (or its gradient) along the last axis, given as
+    the transpose of a [..., out] array -- see split_qkv_output.
+    """
+    wt = w.T
+    d = wt.shape[0] // (heads + 2 * kv_heads)
+    g = heads // kv_heads
+    grp = wt.reshape(kv_heads, (g + 2) * d, *wt.shape[1:])
+    q = grp[:, : g * d].reshape(heads * d, *wt.shape[1:])
+    k = grp[:, g * d:(g + 1) * d].reshape(kv_heads * d, *wt.shape[1:])
+    v = grp[:, (g + 1) * d:].reshape(kv_heads * d, *wt.shape[1:])
+    return q, k, v
+
+
+def split_qkv_output(y: np.ndarray, heads: int = HEADS, kv_heads: int = KV_HEADS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The q_proj, k_proj and v_proj outputs inside a fused qkv_proj output [..., out]."""
+    lead = y.shape[:-1]
+    d = y.shape[-1] // (heads + 2 * kv_heads)
+    g = heads // kv_heads
+    grp = y.reshape(*lead, kv_heads, (g + 2) * d)
+    return (
+        grp[..., : g * d].reshape(*lead, heads * d),
+        grp[..., g * d:(g + 1) * d].reshape(*lead, kv_heads * d),
+        grp[..., (g + 1) * d:].reshape(*lead, kv_heads * d),
+    )
+
+
+def fuse_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """paddleformers' fused up_gate_proj weight (paddle layout [in, 2I]) from torch gate/up ([I, in]).
+
+    Despite the name, nn.mlp.MLP computes ``gate, x = up_gate_proj(x).chunk(2)`` and
+    ``act(gate) * x``: the gate half comes FIRST, then up (the order that
+    paddle.nn.functional.swiglu expects too).
+    """
+    return np.ascontiguousarray(np.concatenate([gate, up], axis=0).T)
+
+
+def split_gate_up(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of fuse_gate_up: torch-layout (gate, up) from a paddle up_gate_proj weight."""
+    gate, up = np.split(w.T, 2, axis=0)
+    return gate, up
+
+
+# ------------------------------------------------------------- name/layout mapping
+
+
+def torch_to_paddle(s: ModelSpec, state: dict[str, np.ndarray], *, untransposed: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """A torch state dict (names and layouts) converted to the paddleformers port.
+
+    ``untransposed`` names torch Linear weights to copy WITHOUT the layout transpose:
+    a deliberate porting bug, for the bug corpus.
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        m = re.match(r"(.*\.self_attn)\.([qkv])_proj\.(weight|bias)$", name)
+        if s.fused_qkv and m:
+            if m.group(2) != "q":
+                continue  # consumed with q
+            base, kind = m.group(1), m.group(3)
+            q, k, v = (state[f"{base}.{x}_proj.{kind}"] for x in "qkv")
+            if kind == "weight":
+                out[f"{base}.qkv_proj.weight"] = fuse_qkv(q, k, v)
+            else:
+                out[f"{base}.qkv_proj.bias"] = fuse_qkv(q[:, None], k[:, None], v[:, None])[0]
+            continue
+        m = re.match(r"(.*\.mlp)\.(gate|up)_proj\.weight$", name)
+        if s.fused_gate_up and m:
+            if m.group(2) == "up":
+                continue  # consumed with gate
+            out[f"{m.group(1)}.up_gate_proj.weight"] = fuse_gate_up(state[name], state[f"{m.group(1)}.up_proj.weight"])
+            continue
+        if is_linear_weight(name) and name not in untransposed:
+            value = value.T
+        out[name] = np.ascontiguousarray(value)
+    return out
+
+
+def paddle_to_torch(s: ModelSpec, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of torch_to_paddle: paddle port parameters in torch names and layouts."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        if s.fused_qkv and name.endswith(".qkv_proj.weight"):
+            base = name[: -len(".qkv_proj.weight")]
+            for x, part in zip("qkv", split_qkv(value)):
+                out[f"{base}.{x}_proj.weight"] = part
+            continue
+        if s.fused_gate_up and name.endswith(".up_gate_proj.weight"):
+            base = name[: -len(".up_gate_proj.weight")]
+            out[f"{base}.gate_proj.weight"], out[f"{base}.up_proj.weight"] = split_gate_up(value)
+            continue
+        out[name] = value.T if is_linear_weight(name) else value
+    return out
+
+
+# ------------------------------------------------------------------ weights file
+
+_META_KEY = "__twinstep_ports_meta__"
+
+
+def save_weights(path: str, state: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """Write a state dict as .npz atomically (temp file + rename), so a polling reader
+    never sees half a file. ``meta`` (model name, seed) lets the reader reject a stale file.
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.savez(f, **state, **{_META_KEY: np.array(json.dumps(meta, sort_keys=True))})
+    os.replace(tmp, path)
+
+
+def load_weights(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Read a file written by save_weights: (state dict, meta)."""
+    with np.load(path) as z:
+        meta = json.loads(str(z[_META_KEY])) if _META_KEY in z.files else {}
+        state = {k: z[k] for k in z.files if k != _META_KEY}
+    return state, meta
