@@ -69,6 +69,8 @@ def render_text(report: pb.Report) -> str:
             f"in run {d.candidate_run!r}: {d.metric} {d.value:.3g} > tolerance {d.tolerance:.3g}"
         )
         lines.append(f"stage: {report.stage}")
+        if report.culprit:
+            lines.append(f"culprit: {report.culprit}")
     if report.tree:
         phase = report.first_divergence.phase if report.HasField("first_divergence") else "forward"
         lines.append("")
@@ -99,8 +101,9 @@ def _tree_lines(rows: Any) -> list[str]:
         verdict = "DIVERGED" if r.divergent else "ok"
         marker = "  <== first divergence" if r.first else ""
         noise = (f"  noise {r.noise:8.1e}" if r.noise >= 0 else "  noise        -") if with_noise else ""
+        growth = f"  x{r.growth:<8.3g}" if r.growth >= 0 else "           "
         out.append(
-            f"  {label:<{width}}  {r.type[:18]:<18} {r.metric:<9} {r.value:9.2e} / {r.tolerance:8.1e}{noise}  {verdict}{marker}"
+            f"  {label:<{width}}  {r.type[:18]:<18} {r.metric:<9} {r.value:9.2e} / {r.tolerance:8.1e}{noise}{growth}  {verdict}{marker}"
         )
     return out
 

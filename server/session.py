@@ -266,12 +266,11 @@ class Session:
             tolerances=self.config.tolerances,
             mapping=self._mapping_for(candidate_run, cand_step.rank),
             noise=None if reference or not self.references else self.noise,
-            keep_values=reference,
         )
         comparison = compare_step(base_step, cand_step, ctx)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
         if reference:
-            self.noise.add(comparison, comparison.values)
+            self.noise.add(comparison)
             return
         self.tracker.add(comparison)
         self.last_comparison = comparison

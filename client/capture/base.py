@@ -47,8 +47,8 @@ class CaptureBackend(ABC):
         """(name, parameter, owner module name, owner module type) per trainable parameter."""
 
     @abstractmethod
-    def add_output_hook(self, module: Module, hook: Callable[[Module, Any], None]) -> RemovableHandle:
-        """Call ``hook(module, output)`` after every forward call of ``module``."""
+    def add_output_hook(self, module: Module, hook: Callable[[Module, Any, Any], None]) -> RemovableHandle:
+        """Call ``hook(module, inputs, output)`` after every forward call of ``module``."""
 
     @abstractmethod
     def output_tensors(self, output: Any) -> list[Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +45,10 @@ class CaptureConfig:
     """Record gradients with respect to module outputs."""
     parameters: bool = True
     """Record parameter gradients and parameters after the update."""
+    inputs: bool = True
+    """Record each module's first input, so the server can tell a module that creates an
+    error from one that inherits it.  Nearly free: an input that another hooked module
+    produced reuses that module's statistics."""
 
     def __post_init__(self) -> None:
         if self.capture not in ("stats", "tensors"):
@@ -90,7 +95,7 @@ class StepBatch:
 class _StepBuffer:
     """Columns of the step being recorded."""
 
-    __slots__ = ("phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow")
+    __slots__ = ("phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced")
 
     def __init__(self) -> None:
         self.phase: list[int] = []
@@ -103,6 +108,8 @@ class _StepBuffer:
         self.tensors: list[tuple[int, str, Any]] = []
         self.calls: dict[int, int] = {}
         self.overflow = 0
+        # id(output tensor) -> (weak reference, record index): inputs that are outputs reuse their statistics.
+        self.produced: dict[int, tuple[Any, int]] = {}
 
 
 class Recorder:
@@ -137,18 +144,18 @@ class Recorder:
 
     # -- hooks (hot path) ---------------------------------------------------
 
-    def _output_hook(self, name: str, module_type: str) -> Callable[[Any, Any], None]:
-        def hook(module: Any, output: Any) -> None:
+    def _output_hook(self, name: str, module_type: str) -> Callable[[Any, Any, Any], None]:
+        def hook(module: Any, inputs: Any, output: Any) -> None:
             if not self._active:
                 return
             try:
-                self._record_output(name, module_type, output)
+                self._record_output(name, module_type, inputs, output)
             except Exception:  # never break the training step
                 self._hook_failed(name)
 
         return hook
 
-    def _record_output(self, name: str, module_type: str, output: Any) -> None:
+    def _record_output(self, name: str, module_type: str, inputs: Any, output: Any) -> None:
         module_id = self._module_ids.get(name)
         if module_id is None:
             module_id = len(self._module_ids)
@@ -157,10 +164,26 @@ class Recorder:
         buffer = self._buffer
         call = buffer.calls.get(module_id, 0)
         buffer.calls[module_id] = call + 1
+        if self.config.inputs:
+            first_input = self.backend.output_tensors(inputs)[:1]
+            if first_input:
+                self._add_input(module_id, call, first_input[0])
         for slot, tensor in enumerate(self.backend.output_tensors(output)):
-            self._add(pb.FORWARD, module_id, call, slot, tensor)
+            index = self._add(pb.FORWARD, module_id, call, slot, tensor)
+            if index is not None:
+                buffer.produced[id(tensor)] = (weakref.ref(tensor), index)
             if self.config.backward:
                 self.backend.add_grad_hook(tensor, self._grad_hook(module_id, call, slot, name))
+
+    def _add_input(self, module_id: int, call: int, tensor: Any) -> None:
+        buffer = self._buffer
+        known = buffer.produced.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            source = known[1]  # another module's output: same numbers, no new pass over the tensor
+            self._append(pb.INPUT, module_id, call, 0, buffer.dtype[source], buffer.shapes[source], buffer.stats[source])
+            return
+        dtype, shape = self.backend.describe(tensor)
+        self._append(pb.INPUT, module_id, call, 0, DTYPE_TO_WIRE[dtype], shape, self.backend.device_stats(tensor))
 
     def _grad_hook(self, module_id: int, call: int, slot: int, name: str) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
@@ -173,22 +196,30 @@ class Recorder:
 
         return hook
 
-    def _add(self, phase: int, target: int, call: int, slot: int, tensor: Any) -> None:
+    def _add(self, phase: int, target: int, call: int, slot: int, tensor: Any) -> int | None:
+        """Record a tensor; returns its record index (None when the step is full)."""
+        if len(self._buffer.phase) >= MAX_RECORDS_PER_STEP:
+            self._buffer.overflow += 1
+            return None
+        backend = self.backend
+        dtype, shape = backend.describe(tensor)
+        if self.config.capture == "tensors":
+            self._buffer.tensors.append((len(self._buffer.phase), dtype, backend.host_copy(tensor)))
+        return self._append(phase, target, call, slot, DTYPE_TO_WIRE[dtype], shape, backend.device_stats(tensor))
+
+    def _append(self, phase: int, target: int, call: int, slot: int, dtype: int, shape: tuple[int, ...], stats: Any) -> int | None:
         buffer = self._buffer
         if len(buffer.phase) >= MAX_RECORDS_PER_STEP:
             buffer.overflow += 1
-            return
-        backend = self.backend
-        dtype, shape = backend.describe(tensor)
-        buffer.stats.append(backend.device_stats(tensor))
-        if self.config.capture == "tensors":
-            buffer.tensors.append((len(buffer.phase), dtype, backend.host_copy(tensor)))
+            return None
+        buffer.stats.append(stats)
         buffer.phase.append(phase)
         buffer.target.append(target)
         buffer.call.append(call)
         buffer.slot.append(slot)
-        buffer.dtype.append(DTYPE_TO_WIRE[dtype])
+        buffer.dtype.append(dtype)
         buffer.shapes.append(shape)
+        return len(buffer.phase) - 1
 
     def _hook_failed(self, name: str) -> None:
         self._hook_failures += 1

@@ -56,12 +56,13 @@ class StepComparison:
     unmatched_baseline: list[str] = field(default_factory=list)
     unmatched_candidate: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    values: dict[tuple[str, str, int, int], dict[str, float]] = field(default_factory=dict)
-    """Every metric of every row, kept only when the context asks (reference runs)."""
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    """metric -> value per row (aligned with ``rows``), for noise bands and culprit analysis."""
 
     @property
     def first(self) -> Row | None:
-        return next((row for row in self.rows if row.divergent), None)
+        """The first divergent record; module inputs are evidence, never a divergence of their own."""
+        return next((row for row in self.rows if row.divergent and row.phase != "input"), None)
 
 
 @dataclass(kw_only=True)
@@ -73,7 +74,6 @@ class CompareContext:
     mapping: NameMapping
     noise: "NoiseBands | None" = None
     """Noise bands from a reference rerun: tolerances become multiples of them."""
-    keep_values: bool = False
 
 
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
@@ -132,8 +132,7 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             if ctx.noise is not None and m not in ("shape", "nonfinite") and np.isfinite(limit):
                 limit = ctx.noise.tolerance(keys[k], m, limit)
             tolerance[m][k] = limit
-    if ctx.keep_values:
-        result.values = {key: {m: float(values[m][k]) for m in METRICS} for k, key in enumerate(keys)}
+    result.values = values
     over = np.stack([values[m] > tolerance[m] for m in METRICS])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.stack(

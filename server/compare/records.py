@@ -12,7 +12,9 @@ from twinstep.codec import WIRE_TO_DTYPE
 from twinstep.server.errors import invalid
 from twinstep.v1 import twinstep_pb2 as pb
 
-PHASE_NAMES = {pb.FORWARD: "forward", pb.LOSS: "loss", pb.BACKWARD: "backward", pb.GRAD: "grad", pb.PARAM: "param"}
+PHASE_NAMES = {
+    pb.FORWARD: "forward", pb.LOSS: "loss", pb.BACKWARD: "backward", pb.GRAD: "grad", pb.PARAM: "param", pb.INPUT: "input",
+}
 LOSS_NAME = "loss"
 MAX_RECORDS = 2_000_000
 MAX_NDIM = 64
@@ -112,7 +114,7 @@ def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
     types: list[str] = []
     dtypes: list[str] = []
     for i, (phase, target, dtype) in enumerate(zip(message.phase, message.target, message.dtype)):
-        if phase in (pb.FORWARD, pb.BACKWARD):
+        if phase in (pb.FORWARD, pb.BACKWARD, pb.INPUT):
             module = manifest.modules.get(target)
             if module is None:
                 raise invalid(f"step {message.step}: record {i} names module id {target}, absent from the manifest")

@@ -70,7 +70,9 @@ class ToleranceConfig:
             return found
         scale = DTYPE_SCALE.get(dtype, 1.0)
         tolerances = {m: _NEVER for m in METRICS}
-        tolerances.update({m: v * scale for m, v in self.defaults.get(phase, {}).items()})
+        # A module's input is judged like an output (it is one, of the code before it).
+        defaults = self.defaults.get("forward" if phase == "input" else phase, {})
+        tolerances.update({m: v * scale for m, v in defaults.items()})
         tolerances["shape"] = 0.0
         tolerances["nonfinite"] = 0.0
         for override in self.overrides:

@@ -26,12 +26,13 @@ class NoiseBands:
         self._bands: dict[Key, dict[str, float]] = {}
         self.steps: set[int] = set()
 
-    def add(self, comparison: StepComparison, values: dict[Key, dict[str, float]]) -> None:
+    def add(self, comparison: StepComparison) -> None:
         """Record a reference run's metric values for one step."""
         self.steps.add(comparison.step)
-        for key, metrics in values.items():
-            band = self._bands.setdefault(key, {})
-            for metric, value in metrics.items():
+        for k, row in enumerate(comparison.rows):
+            band = self._bands.setdefault(row_key(row), {})
+            for metric, values in comparison.values.items():
+                value = float(values[k])
                 if np.isfinite(value) and value > band.get(metric, 0.0):
                     band[metric] = value
 

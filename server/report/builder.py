@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.detect.culprit import explain, growth_factors
 from twinstep.server.detect.stage import describe
 from twinstep.server.session import Session
 from twinstep.v1 import twinstep_pb2 as pb
@@ -28,6 +29,7 @@ def build_report(session: Session) -> pb.Report:
             row, comparison = first.row, first.comparison
             report.first_divergence.CopyFrom(first.to_proto())
             report.stage = describe(row, comparison)
+            report.culprit = explain(row, comparison)
             report.tree.extend(_tree_rows(comparison, row))
         elif session.last_comparison is not None:
             report.tree.extend(_tree_rows(session.last_comparison, None))
@@ -48,6 +50,7 @@ def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleR
     if first is not None and len(rows) > _MAX_ROWS:
         keep = _neighbourhood(first.name)
         rows = [r for r in rows if r is first or _parent(r.name) in keep or r.name in keep]
+    growth = growth_factors(comparison)
     return [
         pb.ModuleRow(
             name=r.name,
@@ -60,6 +63,7 @@ def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleR
             first=r is first,
             compared=True,
             noise=r.noise,
+            growth=growth.get((r.name, r.call_index, r.slot), -1.0),
         )
         for r in rows[: _MAX_ROWS * 2]
     ]

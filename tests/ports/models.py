@@ -67,7 +67,9 @@ class ModelSpec:
     # Config keys, per framework, of the knobs the injected bugs turn (names differ per library).
     attention_dropout_key: str = "attention_dropout"
     activation_key: str = "hidden_act"
-    extra: dict[str, Any] = field(default_factory=dict)
+    # paddle module-name suffix -> torch module-name suffix, where the two libraries name
+    # the same (unfused) module differently; a comparison needs this as a name mapping.
+    module_aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _common(**over: Any) -> dict[str, Any]:
@@ -129,6 +131,7 @@ SPECS: dict[str, ModelSpec] = {
         ),
         # Both libraries fuse Phi3's qkv_proj and gate_up_proj the same way (plain
         # [q | k | v] and [gate | up] concatenations), so only the transpose differs.
+        module_aliases={"mlp.act_fn": "mlp.activation_fn"},
     ),
     "ernie4_5": ModelSpec(
         name="ernie4_5",
@@ -408,3 +411,12 @@ def load_weights(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         meta = json.loads(str(z[_META_KEY])) if _META_KEY in z.files else {}
         state = {k: z[k] for k in z.files if k != _META_KEY}
     return state, meta
+
+
+def torch_module_name(s: ModelSpec, paddle_name: str) -> str:
+    """The transformers name of a paddleformers module (only differently named leaves change;
+    fused modules such as qkv_proj have no single torch counterpart and keep their name)."""
+    for cand, base in s.module_aliases.items():
+        if paddle_name == cand or paddle_name.endswith("." + cand):
+            return paddle_name[: len(paddle_name) - len(cand)] + base
+    return paddle_name

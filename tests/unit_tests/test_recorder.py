@@ -81,6 +81,12 @@ def test_records_every_phase_in_order(framework):
     forward = [r for r in recorded if r[0] == "forward"]
     # Outputs in the order they were produced; the twice-called ReLU gives two calls.
     assert forward == [("forward", "fc1", 0), ("forward", "act", 0), ("forward", "act", 1), ("forward", "fc2", 0), ("forward", "", 0)]
+    inputs = [r for r in recorded if r[0] == "input"]
+    assert inputs == [("input", "fc1", 0), ("input", "act", 0), ("input", "act", 1), ("input", "fc2", 0), ("input", "", 0)]
+    # An input produced by another hooked module carries that module's statistics, without a new pass.
+    rows = {r: i for i, r in enumerate(recorded)}
+    np.testing.assert_array_equal(batch.device_stats[rows[("input", "act", 1)]], batch.device_stats[rows[("forward", "act", 0)]])
+    np.testing.assert_array_equal(batch.device_stats[rows[("input", "fc2", 0)]], batch.device_stats[rows[("forward", "act", 1)]])
     backward = [r for r in recorded if r[0] == "backward"]
     # Reverse order; the model output is fc2's output tensor, so those two come first together.
     assert {backward[0][1], backward[1][1]} == {"", "fc2"}
@@ -115,7 +121,7 @@ def test_include_exclude_and_inactive_steps(framework):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_tensor_mode_copies_are_private(framework):
     model, train_step = toy(framework)
-    recorder = Recorder(model, backend_for(model), CaptureConfig(capture="tensors", backward=False, parameters=False))
+    recorder = Recorder(model, backend_for(model), CaptureConfig(capture="tensors", backward=False, parameters=False, inputs=False))
     train_step()
     batch = recorder.finish_step(0, None)
     assert len(batch.tensors) == len(batch.phase) == 5

@@ -46,9 +46,9 @@ class PaddleBackend(CaptureBackend):
                 name = f"{layer_name}.{local}" if layer_name else local
                 yield name, param, layer_name, type(layer).__name__
 
-    def add_output_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+    def add_output_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
         def post_hook(layer: paddle.nn.Layer, inputs: Any, output: Any) -> None:
-            hook(layer, output)
+            hook(layer, inputs, output)
 
         return RemovableHandle(module.register_forward_post_hook(post_hook).remove)
 

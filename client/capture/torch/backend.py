@@ -43,9 +43,9 @@ class TorchBackend(CaptureBackend):
                 name = f"{module_name}.{local}" if module_name else local
                 yield name, param, module_name, type(module).__name__
 
-    def add_output_hook(self, module: torch.nn.Module, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+    def add_output_hook(self, module: torch.nn.Module, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
         def forward_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
-            hook(mod, output)
+            hook(mod, args, output)
 
         return RemovableHandle(module.register_forward_hook(forward_hook).remove)
 

@@ -15,6 +15,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKWARD: _ClassVar[Phase]
     GRAD: _ClassVar[Phase]
     PARAM: _ClassVar[Phase]
+    INPUT: _ClassVar[Phase]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ LOSS: Phase
 BACKWARD: Phase
 GRAD: Phase
 PARAM: Phase
+INPUT: Phase
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -373,7 +375,7 @@ class ReportRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class ModuleRow(_message.Message):
-    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared", "noise")
+    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared", "noise", "growth")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +386,7 @@ class ModuleRow(_message.Message):
     FIRST_FIELD_NUMBER: _ClassVar[int]
     COMPARED_FIELD_NUMBER: _ClassVar[int]
     NOISE_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: str
     candidate_name: str
@@ -394,7 +397,8 @@ class ModuleRow(_message.Message):
     first: bool
     compared: bool
     noise: float
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ..., noise: _Optional[float] = ...) -> None: ...
+    growth: float
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ..., noise: _Optional[float] = ..., growth: _Optional[float] = ...) -> None: ...
 
 class LongRun(_message.Message):
     __slots__ = ("candidate_run", "steps", "window", "first_loss_abs", "first_loss_rel", "loss_mean_abs", "loss_mean_rel", "loss_mean_signed", "grad_norm_mean_rel", "reference_loss_mean_abs", "reference_grad_norm_mean_rel", "verdicts")
@@ -425,7 +429,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +442,7 @@ class Report(_message.Message):
     UNMATCHED_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     LONG_RUN_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -450,7 +455,8 @@ class Report(_message.Message):
     unmatched_candidate: _containers.RepeatedScalarFieldContainer[str]
     errors: _containers.RepeatedScalarFieldContainer[str]
     long_run: _containers.RepeatedCompositeFieldContainer[LongRun]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ...) -> None: ...
+    culprit: str
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ...) -> None: ...
 
 class HaltRequest(_message.Message):
     __slots__ = ("session", "reason")
