@@ -26,6 +26,8 @@ class ServerConfig:
     mapping: NameMapping = field(default_factory=NameMapping)
     max_workers: int = 256
     """gRPC handler threads: each training process and each watcher holds one."""
+    auto_mapping: bool = True
+    """When module names differ, align the runs' modules automatically (see twinstep mapping)."""
     noise_multiple: float = 3.0
     """With a reference rerun in the session, a candidate's tolerance is this multiple of the record's noise band."""
     noise_floor: float = 0.1
@@ -44,7 +46,7 @@ class ServerConfig:
             raise ValueError("max_workers must be at least 4")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -88,10 +90,11 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
                 kwargs[key] = kind(data[key])
             except (TypeError, ValueError):
                 raise ValueError(f"{where}: {key} must be a number, got {data[key]!r}") from None
-    if "halt_on_divergence" in data:
-        if not isinstance(data["halt_on_divergence"], bool):
-            raise ValueError(f"{where}: halt_on_divergence must be true or false")
-        kwargs["halt_on_divergence"] = data["halt_on_divergence"]
+    for key in ("halt_on_divergence", "auto_mapping"):
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{where}: {key} must be true or false")
+            kwargs[key] = data[key]
     try:
         return ServerConfig(**kwargs)
     except ValueError as exc:

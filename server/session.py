@@ -18,7 +18,9 @@ import grpc
 from twinstep._version import PROTOCOL_VERSION
 from twinstep.server.align.window import RankAligner
 from twinstep.server.alert.events import EventBus
+from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
+from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.compare.records import Manifest, decode_step
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
@@ -99,6 +101,8 @@ class Session:
         self._last_progress = 0.0
         self._bound_mappings: dict[tuple[str, int], tuple[int, object]] = {}
         self._deferred: dict[int, list] = {}
+        self.auto_mappings: dict[str, dict[str, str]] = {}
+        self._auto_bound: dict[str, NameMapping] = {}
         self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
         self.long_run = LongRunTracker(config.drift_window)
         self._halt_ids = itertools.count(1)
@@ -268,6 +272,9 @@ class Session:
             noise=None if reference or not self.references else self.noise,
         )
         comparison = compare_step(base_step, cand_step, ctx)
+        if candidate_run not in self.auto_mappings and self.config.auto_mapping and comparison.unmatched_candidate:
+            ctx.mapping = self._propose_mapping(candidate_run, ctx.mapping, base_step, cand_step, comparison)
+            comparison = compare_step(base_step, cand_step, ctx)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
         if reference:
             self.noise.add(comparison)
@@ -283,8 +290,29 @@ class Session:
         for error in comparison.errors:
             self._error(error)
 
-    def _mapping_for(self, run: str, rank: int):
-        """The name mapping bound to this candidate's module classes (msprobe rules need them)."""
+    def _propose_mapping(self, run: str, mapping: NameMapping, base_step, cand_step, comparison) -> NameMapping:
+        """Names differ: align the modules automatically, once per run, and use the result."""
+        unmatched_base = _forward_names(comparison.unmatched_baseline)
+        unmatched_cand = _forward_names(comparison.unmatched_candidate)
+        proposal = {
+            c: b for c, b in automatch.propose(base_step, cand_step).items() if c in unmatched_cand and b in unmatched_base
+        }
+        self.auto_mappings[run] = proposal
+        if proposal:
+            logger.info("session %s: matched %d renamed modules of run %r automatically (twinstep mapping %s)",
+                        self.name, len(proposal), run, self.name)
+        return self._mapping_for(run, cand_step.rank)
+
+    def _mapping_for(self, run: str, rank: int) -> NameMapping:
+        """The user's mapping, plus automatic matches, bound to the candidate's module classes."""
+        auto = self.auto_mappings.get(run)
+        if auto:
+            combined = self._auto_bound.get(run)
+            if combined is None:
+                user = self.config.mapping
+                combined = NameMapping(exact={**auto, **user.exact}, prefix=user.prefix, regex=user.regex, fused=user.fused)
+                self._auto_bound[run] = combined
+            return combined
         mapping = self.config.mapping
         if not mapping.layer_mapping:
             return mapping
@@ -484,6 +512,12 @@ class Session:
             if runs and self.baseline and self.candidates and all(r.state in _ENDED for r in runs) and self.steps_compared() > 0:
                 return "aligned"
             return "running"
+
+
+def _forward_names(labels: list[str]) -> set[str]:
+    """Module names of "forward:<name>" labels ("(model)" is the root, named "")."""
+    names = {label.split(":", 1)[1] for label in labels if label.startswith("forward:")}
+    return {"" if name == "(model)" else name for name in names}
 
 
 def _halt_command(at_step: int, reason: str) -> pb.ServerMessage:

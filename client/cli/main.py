@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     _server_arg(report)
     report.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    mapping = sub.add_parser("mapping", help="show the module mapping the server worked out when names differ")
+    mapping.add_argument("session")
+    _server_arg(mapping)
+    mapping.add_argument("--write", metavar="FILE", help="write it as a mapping file to pin (server config: mapping_file)")
+
     halt = sub.add_parser("halt", help="halt every run of a session")
     halt.add_argument("session")
     _server_arg(halt)
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"serve": _serve, "watch": _watch, "report": _report, "halt": _halt, "demo": _demo}[args.command](args)
+        return {"serve": _serve, "watch": _watch, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo}[args.command](args)
     except grpc.RpcError as error:
         print(f"twinstep {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
         return 2
@@ -153,6 +158,22 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(report_to_dict(report), indent=2))
     else:
         print(render_text(report))
+    return 0
+
+
+def _mapping(args: argparse.Namespace) -> int:
+    channel, stub = _stub(args.server)
+    with channel:
+        report = stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT)
+    if not report.proposed_mapping:
+        print("module names matched directly; no mapping was needed")
+        return 0
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write(report.proposed_mapping)
+        print(f"wrote {args.write}")
+    else:
+        print(report.proposed_mapping, end="")
     return 0
 
 

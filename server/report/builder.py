@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.detect.culprit import explain, growth_factors
 from twinstep.server.detect.stage import describe
@@ -33,6 +34,9 @@ def build_report(session: Session) -> pb.Report:
             report.tree.extend(_tree_rows(comparison, row))
         elif session.last_comparison is not None:
             report.tree.extend(_tree_rows(session.last_comparison, None))
+        proposals = [session.auto_mappings[run] for run in session.candidates if session.auto_mappings.get(run)]
+        if proposals:
+            report.proposed_mapping = automatch.to_yaml(proposals[0])
         for run in session.candidates:
             summary = session.long_run.summary(run, next(iter(session.references), None), session.config.noise_multiple)
             if summary is not None:

@@ -242,3 +242,35 @@ def test_long_run_criteria(server, error, passes):
     assert f"{expected} first loss" in verdicts and f"{expected} mean loss error" in verdicts, verdicts
     assert "global grad norm" not in verdicts  # no gradients were sent: no verdict rather than a made-up one
     assert "oscillates around 0" in verdicts
+
+
+def test_renamed_modules_are_matched_automatically_and_the_mapping_can_be_pinned(server, tmp_path):
+    import subprocess
+    import sys
+
+    h = X.reshape(2, 16)
+    base_modules = [(0, "embed", "Embedding"), (1, "layers.0.fc", "Linear"), (2, "layers.0.act", "GELU"), (3, "head", "Linear"), (4, "", "LM")]
+    cand_modules = [(0, "model.embed_tokens", "Embedding"), (1, "model.blocks.0.dense", "ColumnParallelLinear"),
+                    (2, "model.blocks.0.gelu", "GELU"), (3, "lm_head", "Linear"), (4, "", "LMForCausal")]
+    outputs = [h, np.tile(h, 2), np.tile(h, 2) * 0.5, h[:, :4], h[:, :4]]
+    base = open_run(server.address, "auto", "base", True, base_modules)
+    cand = open_run(server.address, "auto", "cand", False, cand_modules)
+    for s in range(2):
+        base.send(step(s, list(enumerate(outputs))))
+        cand.send(step(s, list(enumerate(o + (0.5 if s == 1 and i == 2 else 0.0) for i, o in enumerate(outputs)))))
+    finish(base, 1)
+    finish(cand, 1)
+    report = server.report_proto("auto")
+    assert list(report.unmatched_baseline) == [] and list(report.unmatched_candidate) == []
+    first = report.first_divergence
+    assert (first.step, first.module, first.candidate_module) == (1, "layers.0.act", "model.blocks.0.gelu")
+    pinned = tmp_path / "mapping.yaml"
+    out = subprocess.run([sys.executable, "-m", "twinstep", "mapping", "auto", "--server", server.address, "--write", str(pinned)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    from twinstep.server.compare.mapping import NameMapping
+    import yaml
+
+    mapping = NameMapping.from_dict(yaml.safe_load(pinned.read_text()))
+    assert mapping.to_baseline("model.blocks.0.dense") == "layers.0.fc"
+    assert mapping.to_baseline("lm_head") == "head"

@@ -429,7 +429,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +443,7 @@ class Report(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     LONG_RUN_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_MAPPING_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -456,7 +457,8 @@ class Report(_message.Message):
     errors: _containers.RepeatedScalarFieldContainer[str]
     long_run: _containers.RepeatedCompositeFieldContainer[LongRun]
     culprit: str
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ...) -> None: ...
+    proposed_mapping: str
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ...) -> None: ...
 
 class HaltRequest(_message.Message):
     __slots__ = ("session", "reason")
