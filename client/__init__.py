@@ -12,5 +12,6 @@
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.api import Monitor, attach
 from twinstep.errors import Halted
+from twinstep.inprocess import CompareResult, compare
 
-__all__ = ["Halted", "Monitor", "PROTOCOL_VERSION", "__version__", "attach"]
+__all__ = ["CompareResult", "Halted", "Monitor", "PROTOCOL_VERSION", "__version__", "attach", "compare"]

@@ -215,6 +215,7 @@ def attach(
     lockstep_timeout: float = _DEFAULT_LOCKSTEP_TIMEOUT,
     max_queue_steps: int = 256,
     max_queue_bytes: int = 1 << 30,
+    backward: bool = True,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -236,6 +237,7 @@ def attach(
         lockstep_timeout: longest single lockstep wait before giving up lockstep.
         max_queue_steps, max_queue_bytes: bound on data held while the server is
             behind or away; the oldest steps are dropped (and counted) beyond it.
+        backward: record gradients with respect to module outputs.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -255,7 +257,9 @@ def attach(
         baseline=baseline,
         reference=reference,
         server=target,
-        capture=CaptureConfig(capture=capture, include=tuple(include), exclude=tuple(exclude), every=every),
+        capture=CaptureConfig(
+            capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward
+        ),
         rank=resolved_rank,
         world_size=resolved_world,
         lockstep=lockstep,

@@ -84,6 +84,18 @@ class CaptureBackend(ABC):
     def storage_array(self, copy: Any) -> np.ndarray:
         """The wire storage array of a host copy; runs on a background thread."""
 
+    @abstractmethod
+    def add_input_hook(self, module: Module, hook: Callable[[Module, tuple], tuple | None]) -> RemovableHandle:
+        """Call ``hook(module, args)`` before every forward call; a returned tuple replaces the args."""
+
+    @abstractmethod
+    def to_numpy(self, tensor: Tensor) -> np.ndarray:
+        """A host copy as numpy (bfloat16 widened to float32)."""
+
+    @abstractmethod
+    def from_numpy(self, array: np.ndarray, like: Tensor) -> Tensor:
+        """A tensor of ``like``'s dtype and device holding ``array``."""
+
     def loss_tensor(self, loss: Any) -> Tensor | None:
         """The tensor of a loss passed to ``step()``; plain floats are wrapped."""
         return loss

@@ -118,6 +118,18 @@ class PaddleBackend(CaptureBackend):
     def storage_array(self, copy: np.ndarray) -> np.ndarray:
         return copy
 
+    def add_input_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, tuple], tuple | None]) -> RemovableHandle:
+        return RemovableHandle(module.register_forward_pre_hook(hook).remove)
+
+    def to_numpy(self, tensor: paddle.Tensor) -> np.ndarray:
+        t = tensor.detach()
+        if _dtype_name(t) == "bfloat16":
+            t = t.astype("float32")
+        return t.numpy().copy()
+
+    def from_numpy(self, array: np.ndarray, like: paddle.Tensor) -> paddle.Tensor:
+        return paddle.to_tensor(np.ascontiguousarray(array), dtype=like.dtype, place=like.place)
+
     def loss_tensor(self, loss: Any) -> paddle.Tensor | None:
         if loss is None or isinstance(loss, paddle.Tensor):
             return loss

@@ -126,6 +126,17 @@ class TorchBackend(CaptureBackend):
             return copy.view(torch.int16).numpy().view(np.uint16)
         return copy.numpy()
 
+    def add_input_hook(self, module: torch.nn.Module, hook: Callable[[Any, tuple], tuple | None]) -> RemovableHandle:
+        return RemovableHandle(module.register_forward_pre_hook(hook).remove)
+
+    def to_numpy(self, tensor: torch.Tensor) -> np.ndarray:
+        with torch.no_grad():
+            t = tensor.detach()
+            return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy().copy()
+
+    def from_numpy(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
+
     def loss_tensor(self, loss: Any) -> torch.Tensor | None:
         if loss is None or isinstance(loss, torch.Tensor):
             return loss
