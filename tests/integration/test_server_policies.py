@@ -42,10 +42,11 @@ def test_mapping_file_matches_renamed_modules(server):
 
 
 def test_unmatched_modules_are_listed_not_passed(server):
+    # Nothing alike (class, shape, values): automatic matching must not pair them either.
     base = open_run(server.address, "unmatched", "base", True, [(0, "fc", "Linear"), (1, "extra", "ReLU")])
-    cand = open_run(server.address, "unmatched", "cand", False, [(0, "fc", "Linear"), (1, "other", "ReLU")])
+    cand = open_run(server.address, "unmatched", "cand", False, [(0, "fc", "Linear"), (1, "other", "Softmax")])
     base.send(step(0, [(0, X), (1, X)]))
-    cand.send(step(0, [(0, X), (1, X)]))
+    cand.send(step(0, [(0, X), (1, np.ones((3, 5), dtype=np.float32))]))
     finish(base, 0)
     finish(cand, 0)
     report = server.report_proto("unmatched")
