@@ -1,0 +1,116 @@
+"""Localization benchmark: does twinstep name the right step, phase and module, and how fast?
+
+    python benchmarks/localization.py [--suite demo|ports|all] [--steps 20]
+
+Each case trains a baseline and a candidate (separate processes, real
+frameworks) against one embedded server and records: found or not, right
+step/phase/module or not, the step it was found at, and seconds from the
+jobs' start to the divergence alert.  Faithful cases count false alarms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from twinstep.server import serve  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    commands: Callable[[str, str, int, str], list[list[str]]]  # (server, session, steps, tmp) -> job command lines
+    expected: tuple[int, str, str] | None  # (step, phase, baseline module or "*"); None: faithful
+
+
+def demo_case(name: str, bug: str | None, expected: tuple[int, str, str] | None) -> Case:
+    def commands(server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
+        base = [sys.executable, "-m", "twinstep.demo.job", "--framework", "torch", "--run", "torch", "--baseline"]
+        cand = [sys.executable, "-m", "twinstep.demo.job", "--framework", "paddle", "--run", "paddle"]
+        if bug:
+            cand += ["--bug", bug]
+        common = ["--server", server, "--session", session, "--steps", str(steps)]
+        return [base + common, cand + common]
+
+    return Case(name, commands, expected)
+
+
+DEMO = [
+    demo_case("demo faithful", None, None),
+    demo_case("demo gelu_tanh", "gelu_tanh", (0, "forward", "layers.1.mlp.act")),
+    demo_case("demo lr 1.1e-3", "lr", (0, "param", "*")),
+]
+
+
+def ports_cases() -> list[Case]:
+    try:
+        from tests.ports.corpus import CASES  # the real-model corpus (transformers vs paddleformers)
+    except ImportError:
+        return []
+    return list(CASES)
+
+
+def run_case(case: Case, steps: int) -> dict:
+    handle = serve(port=0)
+    session = case.name.replace(" ", "-")
+    events = handle.registry.get_or_create(session).events.subscribe()
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.monotonic()
+        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=os.getcwd())
+                 for cmd in case.commands(handle.address, session, steps, tmp)]
+        detected_at = None
+        while any(p.poll() is None for p in procs):
+            try:
+                event = events.get(timeout=0.1)
+            except Exception:
+                continue
+            if event is not None and event.WhichOneof("body") == "divergence" and detected_at is None:
+                detected_at = time.monotonic() - start
+        for p in procs:
+            p.wait()
+    report = handle.report(session)
+    handle.stop(grace=0.2)
+    first = report["first_divergence"]
+    if detected_at is None and first is not None:
+        detected_at = time.monotonic() - start
+    result = {"case": case.name, "found": first is not None, "right": None, "step": None, "seconds": detected_at,
+              "false_alarm": case.expected is None and first is not None, "where": ""}
+    if first is not None:
+        result["step"] = first["step"]
+        result["where"] = f"{first['phase']} {first['module']}"
+        if case.expected is not None:
+            step, phase, module = case.expected
+            result["right"] = (first["step"], first["phase"]) == (step, phase) and module in ("*", first["module"])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=("demo", "ports", "all"), default="all")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    cases = (DEMO if args.suite in ("demo", "all") else []) + (ports_cases() if args.suite in ("ports", "all") else [])
+    print(f"{'case':<32}{'found':>6}{'right':>7}{'step':>6}{'seconds':>9}  where")
+    false_alarms = 0
+    for case in cases:
+        r = run_case(case, args.steps)
+        false_alarms += r["false_alarm"]
+        right = "-" if r["right"] is None else ("yes" if r["right"] else "NO")
+        seconds = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
+        step = "-" if r["step"] is None else str(r["step"])
+        found = "FALSE ALARM" if r["false_alarm"] else ("yes" if r["found"] else "no")
+        print(f"{r['case']:<32}{found:>6}{right:>7}{step:>6}{seconds:>9}  {r['where']}", flush=True)
+    print(f"false alarms on faithful runs: {false_alarms}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
