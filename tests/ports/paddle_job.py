@@ -22,7 +22,7 @@ from . import loop, models
 
 BUGS: dict[str, str] = {
     "none": "faithful port",
-    "norm_eps": "RMSNorm epsilon 1e-5 instead of 1e-6 in one norm (NORM_EPS_TARGET)",
+    "norm_eps": "RMSNorm epsilon 1e-5 instead of 1e-6 in model.layers.0.input_layernorm",
     "act_variant": "layers.1.mlp.act_fn: exact GELU instead of SiLU (phi3, ernie4_5) or of tanh GELU (gemma3)",
     "rope_base": "rotary base 10001 instead of 10000 (an error below the default tolerances)",
     "attn_scale": "layers.1 attention scores scaled by 1/sqrt(hidden_size) instead of 1/sqrt(head_dim)",
