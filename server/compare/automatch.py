@@ -14,6 +14,7 @@ import numpy as np
 import yaml
 
 from twinstep import stats
+from twinstep.server.compare import layout
 from twinstep.server.compare.records import StepData
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -49,6 +50,8 @@ def propose(base: StepData, cand: StepData) -> dict[str, str]:
     c_rms = stats.rms({k: v[ci] for k, v in cand.table.items()})
 
     def score(x: int, y: int) -> float:
+        if not layout.shapes_compatible(base.shapes[bi[x]], cand.shapes[ci[y]], False):
+            return -5.0  # different tensors (e.g. one part of a fused projection): never a pair
         s = 2.0 if b_kind[x] == c_kind[y] else -1.0
         s += 2.0 if base.shapes[bi[x]] == cand.shapes[ci[y]] else 0.0
         scale = max(b_rms[x], c_rms[y], 1e-30)
