@@ -310,7 +310,8 @@ class Session:
             combined = self._auto_bound.get(run)
             if combined is None:
                 user = self.config.mapping
-                combined = NameMapping(exact={**auto, **user.exact}, prefix=user.prefix, regex=user.regex, fused=user.fused)
+                combined = NameMapping(exact={**auto, **user.exact}, prefix=user.prefix, regex=user.regex,
+                                       fused=user.fused, permuted=user.permuted)
                 self._auto_bound[run] = combined
             return combined
         mapping = self.config.mapping

@@ -109,7 +109,9 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             (ctx.base_framework, base.types[i], base.names[i]), (ctx.cand_framework, cand.types[j], cand.names[j])
         )
         if not layout.shapes_compatible(base.shapes[i], cand.shapes[j], transpose):
-            values["shape"][k] = 1.0
+            permuted = sorted(base.shapes[i]) == sorted(cand.shapes[j]) and ctx.mapping.is_permuted(base.names[i])
+            if not permuted:
+                values["shape"][k] = 1.0
             continue
         if i in base.payloads and j in cand.payloads:
             try:

@@ -49,6 +49,12 @@ class NameMapping:
     """msprobe format: class name -> {candidate sub-path: baseline sub-path}."""
     candidate_types: dict[str, str] = field(default_factory=dict)
     """Candidate module name -> class name, which layer_mapping needs (see bind)."""
+    permuted: list[re.Pattern[str]] = field(default_factory=list)
+    """Baseline modules whose outputs hold the same elements in another axis order
+    (e.g. [B,S,H,D] vs [B,H,S,D]): statistics compare, full tensors are skipped."""
+
+    def is_permuted(self, baseline_name: str) -> bool:
+        return any(p.fullmatch(baseline_name) for p in self.permuted)
 
     def __post_init__(self) -> None:
         self._cache: dict[str, str] = {}
@@ -63,7 +69,7 @@ class NameMapping:
             return self
         return NameMapping(
             exact=self.exact, prefix=self.prefix, regex=self.regex, fused=self.fused,
-            layer_mapping=self.layer_mapping, candidate_types=dict(candidate_types),
+            layer_mapping=self.layer_mapping, candidate_types=dict(candidate_types), permuted=self.permuted,
         )
 
     def fused_parts(self, side: str, module_name: str) -> list[str] | None:
@@ -144,9 +150,9 @@ class NameMapping:
             raise ValueError(f"{where} must be a mapping with keys exact, prefix, regex, fused")
         if "TopLayer" in data:
             return cls(layer_mapping=layer_mapping_from_dict(data, where))
-        unknown = set(data) - {"exact", "prefix", "regex", "fused"}
+        unknown = set(data) - {"exact", "prefix", "regex", "fused", "permuted"}
         if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (expected exact, prefix, regex, fused; "
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (expected exact, prefix, regex, fused, permuted; "
                              "msprobe layer_mapping files go in layer_mapping_file)")
         exact = data.get("exact") or {}
         if not isinstance(exact, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in exact.items()):
@@ -165,7 +171,13 @@ class NameMapping:
             except re.error as exc:
                 raise ValueError(f"{where}.regex[{i}].pattern is not a valid regex: {exc}") from None
         fused = [FusedRule.from_dict(rule, f"{where}.fused[{i}]") for i, rule in enumerate(data.get("fused") or [])]
-        return cls(exact=dict(exact), prefix=prefix, regex=regex, fused=fused)
+        permuted = []
+        for i, pattern in enumerate(data.get("permuted") or []):
+            try:
+                permuted.append(re.compile(str(pattern)))
+            except re.error as exc:
+                raise ValueError(f"{where}.permuted[{i}] is not a valid regex: {exc}") from None
+        return cls(exact=dict(exact), prefix=prefix, regex=regex, fused=fused, permuted=permuted)
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""Run a transformers baseline and its paddleformers port against one server; the bug corpus.
+
+Used by tests/integration/test_ports.py and benchmarks/localization.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from tests.ports import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: paddleformers fuses q/k/v and gate/up where transformers keeps them apart (Ernie4_5, Gemma3).
+FUSED_MAPPING: dict[str, Any] = {
+    "fused": [
+        {"candidate": r"model\.layers\.(\d+)\.self_attn\.qkv_proj",
+         "baseline": [r"model.layers.\1.self_attn.q_proj", r"model.layers.\1.self_attn.k_proj", r"model.layers.\1.self_attn.v_proj"]},
+        {"candidate": r"model\.layers\.(\d+)\.mlp\.up_gate_proj",
+         "baseline": [r"model.layers.\1.mlp.gate_proj", r"model.layers.\1.mlp.up_proj"]},
+    ],
+    # Gemma3's q/k norms: paddle [B,S,H,D], torch [B,H,S,D] (transposed before the norm in torch).
+    "permuted": [r"model\.layers\.\d+\.self_attn\.[qk]_norm"],
+}
+
+
+def job_commands(model: str, server: str, session: str, steps: int, tmp: str, bug: str | None = None,
+                 capture: str = "stats") -> list[list[str]]:
+    weights = os.path.join(tmp, f"{session}.npz")
+    common = ["--model", model, "--server", server, "--session", session, "--steps", str(steps),
+              "--capture", capture, "--weights", weights]
+    base = [sys.executable, "-m", "tests.ports.torch_job", "--baseline", *common]
+    cand = [sys.executable, "-m", "tests.ports.paddle_job", *common] + (["--bug", bug] if bug else [])
+    return [base, cand]
+
+
+def run_pair(server: str, session: str, model: str, steps: int, bug: str | None = None, capture: str = "stats") -> list[str]:
+    """Train both jobs to the end; returns their outputs (raises if one fails)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for cmd in job_commands(model, server, session, steps, tmp, bug, capture)]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outputs):
+            if p.returncode != 0:
+                raise RuntimeError(f"job failed ({p.returncode}):\n{out[-3000:]}")
+        return outputs
+
+
+@dataclass
+class PortCase:
+    model: str
+    bug: str | None
+    expected: tuple[int, str, str] | None  # (step, phase, torch module) or None for a faithful port
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.bug or 'faithful'}"
+
+    def commands(self, server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
+        return job_commands(self.model, server, session, steps, tmp, self.bug)
+
+
+#: Bugs whose origin crosses a default statistics tolerance at the origin itself.
+DETECTABLE = ("norm_eps", "act_variant", "attn_scale", "untransposed", "dropout_on", "lr", "grad_clip")
+
+CASES = [PortCase(m, None, None) for m in models.MODEL_NAMES] + [
+    PortCase(m, bug, models.EXPECTED_ORIGIN[bug][m][:3]) for bug in DETECTABLE for m in models.MODEL_NAMES
+]
