@@ -22,6 +22,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from twinstep.server import serve  # noqa: E402
+from twinstep.server.config import config_from_dict  # noqa: E402
 
 
 @dataclass
@@ -59,7 +60,7 @@ def ports_cases() -> list[Case]:
 
 
 def run_case(case: Case, steps: int) -> dict:
-    handle = serve(port=0)
+    handle = serve(port=0, config=config_from_dict(getattr(case, "config", None) or {}))
     session = case.name.replace(" ", "-")
     events = handle.registry.get_or_create(session).events.subscribe()
     with tempfile.TemporaryDirectory() as tmp:

@@ -235,8 +235,6 @@ class Session:
             if data.step > rank_state.last_step:
                 rank_state.last_step = data.step
             pairs = self._aligner(conn.rank).add(conn.run or "", data, self.baseline, self._compared_runs)
-            # Reference steps first: a candidate's step is judged with that step's noise band.
-            pairs.sort(key=lambda pair: not self.runs[pair[0]].reference)
             self._deferred.setdefault(conn.rank, []).extend(pairs)
             self._run_deferred(conn.rank)
             declared = self._declare()
@@ -248,6 +246,8 @@ class Session:
         """Compare what is ready; a candidate step waits until every reference has passed it."""
         waiting = []
         deferred = self._deferred.get(rank, [])
+        # References first (stable: steps stay in order), so a candidate's step sees its band.
+        deferred.sort(key=lambda pair: not self.runs[pair[0]].reference)
         for run, base_step, other_step in deferred:
             if not self.runs[run].reference and len(deferred) <= self.config.window_steps:
                 behind = [

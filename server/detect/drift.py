@@ -92,9 +92,10 @@ class LongRunTracker:
             out.reference_loss_mean_abs = _mean(_abs_rel(ref_rows[:, 0], ref_rows[:, 1])[0])
             out.reference_grad_norm_mean_rel = _mean(_abs_rel(ref_rows[:, 2], ref_rows[:, 3])[1])
             band = noise_multiple * out.reference_loss_mean_abs
-            verdicts.append(_verdict("within the baseline's own noise", out.loss_mean_abs <= band,
-                                     f"mean loss |Δ| {out.loss_mean_abs:.3g} vs {noise_multiple:g} x reference "
-                                     f"{out.reference_loss_mean_abs:.3g}"))
+            if math.isfinite(band):
+                    verdicts.append(_verdict("within the baseline's own noise", out.loss_mean_abs <= band,
+                                         f"mean loss |Δ| {out.loss_mean_abs:.3g} vs {noise_multiple:g} x reference "
+                                         f"{out.reference_loss_mean_abs:.3g}"))
         out.verdicts.extend(verdicts)
         return out
 

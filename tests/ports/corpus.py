@@ -61,13 +61,22 @@ class PortCase:
     def name(self) -> str:
         return f"{self.model} {self.bug or 'faithful'}"
 
+    #: Server config the ports need (fused projections, permuted norms).
+    config = {"mapping": FUSED_MAPPING}
+
     def commands(self, server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
         return job_commands(self.model, server, session, steps, tmp, self.bug)
+
+
+def _expected(bug: str, model: str) -> tuple[int, str, str]:
+    """The origin; outside forward only step and phase are asserted (the first record may be another parameter)."""
+    step, phase, module, _ = models.EXPECTED_ORIGIN[bug][model]
+    return step, phase, module if phase == "forward" else "*"
 
 
 #: Bugs whose origin crosses a default statistics tolerance at the origin itself.
 DETECTABLE = ("norm_eps", "act_variant", "attn_scale", "untransposed", "dropout_on", "lr", "grad_clip")
 
 CASES = [PortCase(m, None, None) for m in models.MODEL_NAMES] + [
-    PortCase(m, bug, models.EXPECTED_ORIGIN[bug][m][:3]) for bug in DETECTABLE for m in models.MODEL_NAMES
+    PortCase(m, bug, _expected(bug, m)) for bug in DETECTABLE for m in models.MODEL_NAMES
 ]
