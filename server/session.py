@@ -202,7 +202,7 @@ class Session:
             rank_state.connection = None
             if not conn.closed_cleanly:
                 rank_state.state = "lost"
-            self._aligner(conn.rank).finish(run.name, self.baseline, self._compared_runs)
+            self._aligner(conn.rank).finish(run.name, self.baseline, self._compared_runs, not self.candidates)
             self._run_deferred(conn.rank)
             declared = self._declare()
         self._announce(declared)
@@ -234,7 +234,9 @@ class Session:
             rank_state.client_dropped = sum(message.dropped.values())
             if data.step > rank_state.last_step:
                 rank_state.last_step = data.step
-            pairs = self._aligner(conn.rank).add(conn.run or "", data, self.baseline, self._compared_runs)
+            pairs = self._aligner(conn.rank).add(
+                conn.run or "", data, self.baseline, self._compared_runs, keep_baseline=not self.candidates
+            )
             self._deferred.setdefault(conn.rank, []).extend(pairs)
             self._run_deferred(conn.rank)
             declared = self._declare()

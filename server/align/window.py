@@ -45,8 +45,13 @@ class RankAligner:
     def delivered(self, name: str) -> int:
         return self.run(name).delivered if name in self._runs else -1
 
-    def add(self, run: str, data: StepData, baseline: str | None, candidates: list[str]) -> list[tuple[str, StepData, StepData]]:
-        """Store a step; return the (candidate, baseline step, candidate step) pairs now comparable."""
+    def add(self, run: str, data: StepData, baseline: str | None, candidates: list[str],
+            keep_baseline: bool = False) -> list[tuple[str, StepData, StepData]]:
+        """Store a step; return the (candidate, baseline step, candidate step) pairs now comparable.
+
+        ``keep_baseline`` holds baseline steps even once every listed run has passed them
+        (a session whose only other run is a reference still waits for its candidate).
+        """
         state = self.run(run)
         if data.step <= state.delivered:
             return []  # a resend after reconnect: already held or compared
@@ -62,14 +67,14 @@ class RankAligner:
                     continue
                 for step in [s for s in cs.steps if s in base.steps]:
                     ready.append((cand, base.steps[step], self._pop(cs, step)))
-        self._release(baseline, candidates)
+        self._release(baseline, candidates, keep_baseline)
         self._enforce_window(state)
         return ready
 
-    def finish(self, run: str, baseline: str | None, candidates: list[str]) -> None:
+    def finish(self, run: str, baseline: str | None, candidates: list[str], keep_baseline: bool = False) -> None:
         """The stream of ``run`` for this rank ended."""
         self.run(run).done = True
-        self._release(baseline, candidates)
+        self._release(baseline, candidates, keep_baseline)
 
     def reopen(self, run: str) -> None:
         self.run(run).done = False
@@ -86,7 +91,7 @@ class RankAligner:
         state.nbytes -= data.nbytes
         return data
 
-    def _release(self, baseline: str | None, candidates: list[str]) -> None:
+    def _release(self, baseline: str | None, candidates: list[str], keep_baseline: bool = False) -> None:
         """Free steps that can no longer find a counterpart."""
         if baseline is None or baseline not in self._runs:
             return
@@ -107,7 +112,7 @@ class RankAligner:
                 and step not in self._runs[cand].steps
                 for cand in candidates
             )
-            if passed and candidates:
+            if passed and candidates and not keep_baseline:
                 self._pop(base, step)
 
     def _enforce_window(self, state: _RunSteps) -> None:

@@ -24,6 +24,8 @@ class Candidate:
     key: tuple[int, int, int, int]
     row: Row
     comparison: StepComparison
+    previous_params: tuple[float, str] | None = None
+    """Closest approach to tolerance of the parameters after the step before (ratio, name)."""
 
     def to_proto(self) -> pb.Divergence:
         row, comparison = self.row, self.comparison
@@ -37,7 +39,7 @@ class Candidate:
             value=row.value,
             tolerance=row.tolerance,
             candidate_run=comparison.candidate_run,
-            stage=describe(row, comparison),
+            stage=describe(row, comparison, self.previous_params),
         )
 
 
@@ -48,9 +50,15 @@ class FirstDivergenceTracker:
         self._best: dict[str, Candidate] = {}
         self.declared: dict[str, Candidate] = {}
         self._compared: dict[str, dict[int, set[int]]] = {}
+        # run -> step -> (largest value/tolerance among parameters after the update, its name)
+        self._param_headroom: dict[str, dict[int, tuple[float, str]]] = {}
 
     def add(self, comparison: StepComparison) -> None:
         self._compared.setdefault(comparison.candidate_run, {}).setdefault(comparison.step, set()).add(comparison.rank)
+        params = [(r.value / r.tolerance, r.name) for r in comparison.rows if r.phase == "param" and r.tolerance > 0]
+        if params:
+            steps = self._param_headroom.setdefault(comparison.candidate_run, {})
+            steps[comparison.step] = max([*params, steps.get(comparison.step, (0.0, ""))])
         row = comparison.first
         if row is None or comparison.candidate_run in self.declared:
             return
@@ -58,7 +66,8 @@ class FirstDivergenceTracker:
         key = (comparison.step, _PHASE_ORDER[row.phase], position, comparison.rank)
         best = self._best.get(comparison.candidate_run)
         if best is None or key < best.key:
-            self._best[comparison.candidate_run] = Candidate(key, row, comparison)
+            previous = self._param_headroom.get(comparison.candidate_run, {}).get(comparison.step - 1)
+            self._best[comparison.candidate_run] = Candidate(key, row, comparison, previous)
 
     def declare(self, frontier: dict[str, float]) -> list[Candidate]:
         """Candidates whose divergence step is at or below their run's frontier; each once."""

@@ -13,7 +13,19 @@ from twinstep.server.compare.comparator import Row, StepComparison
 _COMMON_FACTOR = 1e-3  # relative spread under which per-tensor scales count as one factor
 
 
-def describe(row: Row, comparison: StepComparison) -> str:
+def describe(row: Row, comparison: StepComparison, previous_params: tuple[float, str] | None = None) -> str:
+    text = _describe(row, comparison)
+    if comparison.step > 0 and row.phase in ("forward", "backward", "grad") and previous_params and not text.startswith("data"):
+        ratio, param = previous_params
+        text += (
+            f". Parameters after step {comparison.step - 1} were within tolerance, at up to {ratio:.2f} of it "
+            f"({param}): a parameter difference too small to flag can grow into this (weight decay or epsilon "
+            "applied differently); a reference run tightens tolerances to the baseline's own noise"
+        )
+    return text
+
+
+def _describe(row: Row, comparison: StepComparison) -> str:
     name = row.name or "(model)"
     step = comparison.step
     in_phase = [r for r in comparison.rows if r.phase == row.phase]
@@ -27,8 +39,8 @@ def describe(row: Row, comparison: StepComparison) -> str:
             )
         if step > 0:
             return (
-                f"forward at step {step}: earlier steps and the weights matched, yet {name} ({row.type}) differs: "
-                "a data-dependent difference in that module"
+                f"forward at step {step}: every earlier record was within tolerance, yet {name} ({row.type}) "
+                "differs: a data-dependent difference in that module, or an earlier difference that grew"
             )
         return (
             f"forward: {name} ({row.type}) is the first module whose output differs on identical weights and "

@@ -5,7 +5,6 @@ from __future__ import annotations
 from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.detect.culprit import explain, growth_factors
-from twinstep.server.detect.stage import describe
 from twinstep.server.session import Session
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -29,7 +28,7 @@ def build_report(session: Session) -> pb.Report:
             row, comparison = first.row, first.comparison
             row, comparison = first.row, first.comparison
             report.first_divergence.CopyFrom(first.to_proto())
-            report.stage = describe(row, comparison)
+            report.stage = report.first_divergence.stage
             report.culprit = explain(row, comparison)
             report.tree.extend(_tree_rows(comparison, row))
         elif session.last_comparison is not None:

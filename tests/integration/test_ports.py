@@ -44,3 +44,44 @@ def test_porting_bug_found_at_its_origin(ports_server, model, bug):
     assert (first["step"], first["phase"]) == (step, phase), first
     if phase == "forward":
         assert first["module"] == module, first
+
+
+@pytest.mark.parametrize("model", models.MODEL_NAMES)
+def test_a_batch_fed_out_of_order_is_a_data_divergence(ports_server, model):
+    run_pair(ports_server.address, "data", model, steps=5, bug="batch_order")
+    report = ports_server.report_proto("data")
+    first = report.first_divergence
+    assert (first.step, first.phase, first.module) == (3, "forward", "model.embed_tokens")
+    assert report.stage.startswith("data: step 3 differs from its very first module")
+
+
+@pytest.mark.parametrize("model", models.MODEL_NAMES)
+def test_a_wrong_custom_backward_is_found_in_backward(ports_server, model):
+    run_pair(ports_server.address, "backward", model, steps=2, bug="custom_backward")
+    report = ports_server.report_proto("backward")
+    first = report.first_divergence
+    assert (first.step, first.phase) == (0, "backward")
+    # The activation's backward feeds the gate/up projection (fused in paddleformers; also in torch's Phi3).
+    assert first.module in ("model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.{gate_proj,up_proj}"), first
+    assert "act" in report.stage  # names the matching output gradient next to it
+
+
+@pytest.mark.parametrize(("model", "step"), [("phi3", 0), ("ernie4_5", 0), ("gemma3", 1)])
+def test_weight_decay_on_norms_needs_the_baselines_own_noise_band(ports_server, model, step):
+    """1e-5 relative on norm weights: inside flat tolerances, far outside a reference rerun's band.
+
+    Gemma's norm weights start at 0 (scale 1+w): decay first moves them at step 1.
+    """
+    run_pair(ports_server.address, "wd", model, steps=3, bug="wd_on_norms", reference=True)
+    report = ports_server.report_proto("wd")
+    first = report.first_divergence
+    assert (first.step, first.phase) == (step, "param"), first
+    assert "norm" in first.module
+    assert "only 1-D parameters" in report.stage and "weight decay" in report.stage
+
+
+def test_faithful_port_stays_aligned_against_a_deterministic_reference_band(ports_server):
+    run_pair(ports_server.address, "ref", "ernie4_5", steps=20, reference=True)
+    report = ports_server.report_proto("ref")
+    assert report.status == "aligned", f"{report.first_divergence}"
+    assert {r.name for r in report.runs} == {"torch", "paddle", "rerun"}

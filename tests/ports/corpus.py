@@ -30,20 +30,26 @@ FUSED_MAPPING: dict[str, Any] = {
 
 
 def job_commands(model: str, server: str, session: str, steps: int, tmp: str, bug: str | None = None,
-                 capture: str = "stats") -> list[list[str]]:
+                 capture: str = "stats", reference: bool = False) -> list[list[str]]:
+    """Baseline (torch), candidate (paddle) and, with ``reference``, a second torch run measuring noise."""
     weights = os.path.join(tmp, f"{session}.npz")
-    common = ["--model", model, "--server", server, "--session", session, "--steps", str(steps),
-              "--capture", capture, "--weights", weights]
-    base = [sys.executable, "-m", "tests.ports.torch_job", "--baseline", *common]
-    cand = [sys.executable, "-m", "tests.ports.paddle_job", *common] + (["--bug", bug] if bug else [])
-    return [base, cand]
+    common = ["--model", model, "--server", server, "--session", session, "--steps", str(steps), "--capture", capture]
+    base = [sys.executable, "-m", "tests.ports.torch_job", "--baseline", *common, "--weights", weights]
+    cand = [sys.executable, "-m", "tests.ports.paddle_job", *common, "--weights", weights] + (["--bug", bug] if bug else [])
+    commands = [base, cand]
+    if reference:
+        rerun = os.path.join(tmp, f"{session}-rerun.npz")
+        commands.append([sys.executable, "-m", "tests.ports.torch_job", "--reference", "--run", "rerun", *common,
+                         "--weights", rerun])
+    return commands
 
 
-def run_pair(server: str, session: str, model: str, steps: int, bug: str | None = None, capture: str = "stats") -> list[str]:
-    """Train both jobs to the end; returns their outputs (raises if one fails)."""
+def run_pair(server: str, session: str, model: str, steps: int, bug: str | None = None, capture: str = "stats",
+             reference: bool = False) -> list[str]:
+    """Train the jobs to the end; returns their outputs (raises if one fails)."""
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for cmd in job_commands(model, server, session, steps, tmp, bug, capture)]
+                 for cmd in job_commands(model, server, session, steps, tmp, bug, capture, reference)]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
         for p, out in zip(procs, outputs):
             if p.returncode != 0:

@@ -45,7 +45,8 @@ def parser(prog: str, description: str, framework: str) -> argparse.ArgumentPars
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--session", default=os.environ.get("TWINSTEP_SESSION", "ports"))
     p.add_argument("--run", default=framework, help=f"run name (default: {framework})")
-    p.add_argument("--baseline", action="store_true", help="this run is the reference the other is judged against")
+    p.add_argument("--baseline", action="store_true", help="this run is the one the others are judged against")
+    p.add_argument("--reference", action="store_true", help="a rerun of the baseline that measures its own noise")
     p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
     p.add_argument("--capture", choices=("stats", "tensors"), default="stats")
     p.add_argument("--no-monitor", action="store_true", help="train without twinstep")
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None
         import twinstep
 
         mon = twinstep.attach(
-            trainer.model, session=args.session, run=args.run, baseline=args.baseline,
+            trainer.model, session=args.session, run=args.run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, lockstep=args.lockstep,
         )
         halted_type = twinstep.Halted
