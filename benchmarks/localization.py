@@ -89,8 +89,16 @@ def run_case(case: Case, steps: int) -> dict:
         result["where"] = f"{first['phase']} {first['module']}"
         if case.expected is not None:
             step, phase, module = case.expected
-            result["right"] = (first["step"], first["phase"]) == (step, phase) and module in ("*", first["module"])
+            result["right"] = (first["step"], first["phase"]) == (step, phase) and _same_module(module, first["module"])
     return result
+
+
+def _same_module(expected: str, found: str) -> bool:
+    """Equal, "*", or one part of a fused group ("a.{gate_proj,up_proj}" holds "a.gate_proj")."""
+    if expected in ("*", found):
+        return True
+    head, _, part = expected.rpartition(".")
+    return found.startswith(head + ".{") and part in found[len(head) + 2 : -1].split(",")
 
 
 def main() -> int:

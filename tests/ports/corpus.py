@@ -62,16 +62,17 @@ class PortCase:
     model: str
     bug: str | None
     expected: tuple[int, str, str] | None  # (step, phase, torch module) or None for a faithful port
+    reference: bool = False  # add a reference rerun of the baseline (noise bands)
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.bug or 'faithful'}"
+        return f"{self.model} {self.bug or 'faithful'}" + (" +reference" if self.reference else "")
 
     #: Server config the ports need (fused projections, permuted norms).
     config = {"mapping": FUSED_MAPPING}
 
     def commands(self, server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
-        return job_commands(self.model, server, session, steps, tmp, self.bug)
+        return job_commands(self.model, server, session, steps, tmp, self.bug, reference=self.reference)
 
 
 def _expected(bug: str, model: str) -> tuple[int, str, str]:
@@ -83,6 +84,12 @@ def _expected(bug: str, model: str) -> tuple[int, str, str]:
 #: Bugs whose origin crosses a default statistics tolerance at the origin itself.
 DETECTABLE = ("norm_eps", "act_variant", "attn_scale", "untransposed", "dropout_on", "lr", "grad_clip")
 
-CASES = [PortCase(m, None, None) for m in models.MODEL_NAMES] + [
-    PortCase(m, bug, _expected(bug, m)) for bug in DETECTABLE for m in models.MODEL_NAMES
-]
+#: Bugs under every flat tolerance at their origin, found against a reference rerun's noise band.
+NEED_REFERENCE = ("wd_on_norms", "rope_base", "adam_eps")
+
+CASES = (
+    [PortCase(m, None, None) for m in models.MODEL_NAMES]
+    + [PortCase(m, None, None, reference=True) for m in models.MODEL_NAMES]
+    + [PortCase(m, bug, _expected(bug, m)) for bug in (*DETECTABLE, "custom_backward", "batch_order") for m in models.MODEL_NAMES]
+    + [PortCase(m, bug, _expected(bug, m), reference=True) for bug in NEED_REFERENCE for m in models.MODEL_NAMES]
+)
