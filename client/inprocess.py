@@ -66,7 +66,6 @@ def compare(
         substitutes: list[RemovableHandle] = []
         if isolate:
             substitutes = _feed_inputs_of(model_a, backend_a, model_b, backend_b, inputs_a)
-        runs = []
         for model, backend, inputs, loss_fn, name, baseline in (
             (model_a, backend_a, inputs_a, loss_a, "a", True),
             (model_b, backend_b, inputs_b, loss_b, "b", False),
@@ -79,7 +78,6 @@ def compare(
                 loss.backward()
             mon.step(loss=loss)
             mon.close()
-            runs.append(mon)
         for substitute in substitutes:
             substitute.remove()
         proto = handle.report_proto(session)

@@ -52,11 +52,15 @@ _KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_tim
 def load_config(path: str | pathlib.Path) -> ServerConfig:
     """Read a YAML config; raises ValueError naming the file and option at fault."""
     path = pathlib.Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read config {path}: {exc}") from None
+    data = _read_yaml(path, "config") or {}
     return config_from_dict(data, base_dir=path.parent, where=str(path))
+
+
+def _read_yaml(path: pathlib.Path, what: str) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
 
 
 def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), where: str = "config") -> ServerConfig:
@@ -67,19 +71,13 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         raise ValueError(f"{where}: unknown options {sorted(unknown)} (known: {sorted(_KEYS)})")
     mapping_data = data.get("mapping")
     if "mapping_file" in data:
-        mapping_path = base_dir / str(data["mapping_file"])
-        try:
-            mapping_data = yaml.safe_load(mapping_path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{where}: cannot read mapping_file {mapping_path}: {exc}") from None
+        mapping_data = _read_yaml(base_dir / str(data["mapping_file"]), f"{where}: mapping_file")
     mapping = NameMapping.from_dict(mapping_data, f"{where}: mapping")
     if "layer_mapping_file" in data:
         path = base_dir / str(data["layer_mapping_file"])
-        try:
-            layer_data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{where}: cannot read layer_mapping_file {path}: {exc}") from None
-        mapping.layer_mapping = layer_mapping_from_dict(layer_data, f"{where}: layer_mapping_file {path}")
+        mapping.layer_mapping = layer_mapping_from_dict(
+            _read_yaml(path, f"{where}: layer_mapping_file"), f"{where}: layer_mapping_file {path}"
+        )
     kwargs: dict[str, Any] = {
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
 import paddle
-import pytest
 import torch
 
 import twinstep

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from twinstep.server import ServerConfig
 
 
 def run_pair(jobs, server, session: str, *, bug: str | None = None, steps: int = 20, capture: str = "stats",
