@@ -52,6 +52,7 @@ class Monitor:
         run: str,
         baseline: bool,
         reference: bool,
+        precision: str,
         server: str,
         capture: CaptureConfig,
         rank: int,
@@ -88,6 +89,7 @@ class Monitor:
             capture=capture.capture,
             max_lead=lockstep,
             reference=reference,
+            precision=precision if precision != "auto" else self._backend.float32_matmul_precision(),
         )
         self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
         self._client.add_manifest([], self._recorder.parameter_infos)
@@ -216,6 +218,7 @@ def attach(
     max_queue_steps: int = 256,
     max_queue_bytes: int = 1 << 30,
     backward: bool = True,
+    precision: str = "auto",
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -238,6 +241,9 @@ def attach(
         max_queue_steps, max_queue_bytes: bound on data held while the server is
             behind or away; the oldest steps are dropped (and counted) beyond it.
         backward: record gradients with respect to module outputs.
+        precision: arithmetic of this run's float32 matrix products, "fp32" or
+            "tf32"; "auto" asks the framework (TF32 on GPUs unless disabled).
+            Float32 records of a tf32 run are judged with looser tf32 tolerances.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -246,6 +252,8 @@ def attach(
         raise ValueError("twinstep.attach needs a non-empty session and run name")
     if lockstep < 0:
         raise ValueError("lockstep must be >= 0")
+    if precision not in ("auto", "fp32", "tf32"):
+        raise ValueError(f"precision must be 'auto', 'fp32' or 'tf32', got {precision!r}")
     resolved_rank = rank if rank is not None else _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
     resolved_world = world_size if world_size is not None else _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
     if not 0 <= resolved_rank < resolved_world:
@@ -256,6 +264,7 @@ def attach(
         run=run,
         baseline=baseline,
         reference=reference,
+        precision=precision,
         server=target,
         capture=CaptureConfig(
             capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward

@@ -81,6 +81,9 @@ def render_text(report: pb.Report) -> str:
         lines.append(f"long run, candidate {summary.candidate_run!r}: {summary.steps} steps compared, "
                      f"criteria over the last {summary.window}:")
         lines.extend(f"  {verdict}" for verdict in summary.verdicts)
+    if report.headroom:
+        lines.append("")
+        lines.extend(_headroom_lines(report.headroom))
     if report.unmatched_baseline or report.unmatched_candidate:
         lines.append("")
         if report.unmatched_baseline:
@@ -90,6 +93,26 @@ def render_text(report: pb.Report) -> str:
     for error in report.errors[:20]:
         lines.append(f"error: {error}")
     return "\n".join(lines)
+
+
+def _headroom_lines(headroom: Any) -> list[str]:
+    """Per candidate and phase, the metric that came closest to its tolerance."""
+    closest: dict[tuple[str, str], Any] = {}
+    for h in headroom:
+        ratio = h.value / h.tolerance if h.tolerance > 0 else math.inf
+        key = (h.candidate_run, h.phase)
+        if key not in closest or ratio > closest[key][0]:
+            closest[key] = (ratio, h)
+    out = []
+    for run in dict.fromkeys(h.candidate_run for h in headroom):
+        out.append(f"closest to tolerance, candidate {run!r} (worst over every step compared):")
+        phases = [p for p in ("forward", "loss", "backward", "grad", "param") if (run, p) in closest]
+        for phase in phases:
+            ratio, h = closest[(run, phase)]
+            share = f"{ratio:6.3f} of it" if math.isfinite(ratio) else "no tolerance"
+            out.append(f"  {phase:<8} {h.metric:<8} {h.value:9.2e} / {h.tolerance:8.1e}  {share}  "
+                       f"({h.module or '(model)'}, step {h.step}, {h.dtype})")
+    return out
 
 
 def _tree_lines(rows: Any) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from twinstep.report import report_to_dict
+from twinstep.server.compare.comparator import StepComparison
 from twinstep.server.config import ServerConfig
 from twinstep.server.report.builder import build_report
 from twinstep.server.servicer import TwinstepServicer
@@ -44,6 +45,18 @@ class ServerHandle:
         if found is None:
             raise KeyError(f"no session {session!r}")
         return build_report(found)
+
+    def last_comparison(self, session: str) -> StepComparison | None:
+        """The latest candidate step compared in a session, with every metric per row (``values``).
+
+        The report keeps only each record's worst metric; tools and tests that need
+        one metric of one row (e.g. a fused group's full-tensor rel_l2) read it here.
+        """
+        found = self.registry.get(session)
+        if found is None:
+            raise KeyError(f"no session {session!r}")
+        with found.lock:
+            return found.last_comparison
 
     def halt(self, session: str, reason: str = "halted by an operator") -> list[str]:
         found = self.registry.get(session)

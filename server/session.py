@@ -22,10 +22,12 @@ from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.compare.records import Manifest, decode_step
+from twinstep.server.compare.tolerance import PRECISIONS
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
 from twinstep.server.detect.drift import LongRunTracker
 from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
+from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.errors import InputError, invalid
 from twinstep.v1 import twinstep_pb2 as pb
@@ -57,6 +59,8 @@ class RunState:
     capture: str
     max_lead: int
     reference: bool = False
+    precision: str = "fp32"
+    """Arithmetic of float32 matrix products: "fp32" or "tf32"."""
     ranks: dict[int, RankState] = field(default_factory=dict)
 
     @property
@@ -105,6 +109,7 @@ class Session:
         self._auto_bound: dict[str, NameMapping] = {}
         self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
         self.long_run = LongRunTracker(config.drift_window)
+        self.headroom = HeadroomTracker()
         self._halt_ids = itertools.count(1)
         self._halt_acks: dict[int, dict[int, int]] = {}
         self._halt_cond = threading.Condition(self.lock)
@@ -137,6 +142,9 @@ class Session:
             raise invalid(f"rank {hello.rank} is outside world size {hello.world_size}")
         if hello.baseline and hello.reference:
             raise invalid("a run is either the baseline or a reference rerun of it, not both")
+        precision = hello.precision or "fp32"
+        if precision not in PRECISIONS:
+            raise invalid(f"unknown precision {hello.precision!r}; expected one of {', '.join(PRECISIONS)}")
         with self.lock:
             run = self.runs.get(hello.run)
             if hello.baseline and self.baseline not in (None, hello.run):
@@ -155,6 +163,7 @@ class Session:
                     capture=hello.capture,
                     max_lead=hello.max_lead,
                     reference=hello.reference,
+                    precision=precision,
                 )
                 self.runs[hello.run] = run
                 if hello.baseline:
@@ -272,6 +281,7 @@ class Session:
             tolerances=self.config.tolerances,
             mapping=self._mapping_for(candidate_run, cand_step.rank),
             noise=None if reference or not self.references else self.noise,
+            tf32="tf32" in (base_run.precision, self.runs[candidate_run].precision),
         )
         comparison = compare_step(base_step, cand_step, ctx)
         if candidate_run not in self.auto_mappings and self.config.auto_mapping and comparison.unmatched_candidate:
@@ -282,6 +292,7 @@ class Session:
             self.noise.add(comparison)
             return
         self.tracker.add(comparison)
+        self.headroom.add(comparison)
         self.last_comparison = comparison
         for name in comparison.unmatched_baseline:
             if len(self.unmatched_baseline) < _MAX_LISTED:

@@ -96,6 +96,10 @@ class CaptureBackend(ABC):
     def from_numpy(self, array: np.ndarray, like: Tensor) -> Tensor:
         """A tensor of ``like``'s dtype and device holding ``array``."""
 
+    def float32_matmul_precision(self) -> str:
+        """"tf32" when float32 matrix products run on TF32 tensor cores, else "fp32"."""
+        return "fp32"
+
     def loss_tensor(self, loss: Any) -> Tensor | None:
         """The tensor of a loss passed to ``step()``; plain floats are wrapped."""
         return loss

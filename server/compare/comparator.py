@@ -2,7 +2,8 @@
 
 Records are joined on (phase, baseline name, call index, slot); statistics
 metrics are computed for all joined records at once with numpy, full-tensor
-metrics only where both sides sent the tensor.
+metrics only where both sides sent the tensor (for a fused group: every part
+and the fused module, the parts combined as the fused rule says).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import numpy as np
 
 from twinstep import codec, stats
 from twinstep.server.compare import layout, metrics
-from twinstep.server.compare.mapping import NameMapping
+from twinstep.server.compare.mapping import FusedRule, NameMapping
 from twinstep.server.compare.records import PHASE_NAMES, StepData
-from twinstep.server.compare.tolerance import METRICS, ToleranceConfig
+from twinstep.server.compare.tolerance import METRICS, PRECISION_ORDER, ToleranceConfig, effective_dtype
 
 if TYPE_CHECKING:
     from twinstep.server.detect.noise import NoiseBands
@@ -45,6 +46,8 @@ class Row:
     """Candidate RMS over baseline RMS: a common factor across records points at scaling or clipping."""
     noise: float = -1.0
     """The baseline's own run-to-run value of ``metric`` (reference rerun); -1 when unknown."""
+    dtype: str = "float32"
+    """The arithmetic the tolerance was taken for (the less precise side's; see effective_dtype)."""
 
 
 @dataclass
@@ -58,6 +61,8 @@ class StepComparison:
     errors: list[str] = field(default_factory=list)
     values: dict[str, np.ndarray] = field(default_factory=dict)
     """metric -> value per row (aligned with ``rows``), for noise bands and culprit analysis."""
+    tolerance: dict[str, np.ndarray] = field(default_factory=dict)
+    """metric -> tolerance per row (aligned with ``rows``), for headroom."""
 
     @property
     def first(self) -> Row | None:
@@ -74,10 +79,12 @@ class CompareContext:
     mapping: NameMapping
     noise: "NoiseBands | None" = None
     """Noise bands from a reference rerun: tolerances become multiples of them."""
+    tf32: bool = False
+    """Either run multiplies float32 matrices in TF32: float32 records get tf32 tolerances."""
 
 
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
-    pairs, unmatched_baseline, unmatched_candidate = _join(base, cand, ctx.mapping)
+    pairs, fused_rules, unmatched_baseline, unmatched_candidate = _join(base, cand, ctx.mapping)
     result = StepComparison(
         step=base.step,
         rank=base.rank,
@@ -99,10 +106,19 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
         values[name] = np.zeros(len(pairs))
 
     for k, (base_group, cand_group) in enumerate(pairs):
-        if len(base_group) > 1 or len(cand_group) > 1:
-            # Fused on one side: statistics merge exactly; the parts must hold the same elements.
-            if sum(base.table["count"][base_group]) != sum(cand.table["count"][cand_group]):
+        rule = fused_rules.get(base_group[0])
+        if rule is not None:
+            # Fused on one side: statistics merge exactly; full tensors need the parts combined.
+            try:
+                fused = _fused_metrics(base, cand, base_group, cand_group, rule, ctx)
+            except codec.PayloadError as exc:
+                group = _group_name([base.names[x] for x in base_group])
+                result.errors.append(f"step {base.step} rank {base.rank} {group!r}: {exc}")
+                continue
+            if fused is None:
                 values["shape"][k] = 1.0
+            for name, value in (fused or {}).items():
+                values[name][k] = value
             continue
         i, j = base_group[0], cand_group[0]
         transpose = int(base.phase[i]) in _PARAM_PHASES and layout.needs_transpose(
@@ -127,14 +143,23 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     names = [_group_name([base.names[x] for x in group]) for group, _ in pairs]
     keys = [(PHASE_NAMES[int(base.phase[i])], names[k], int(base.call_index[i]), int(base.slot[i])) for k, i in enumerate(ib.tolist())]
     tolerance = {m: np.empty(len(pairs)) for m in METRICS}
-    for k, i in enumerate(ib.tolist()):
-        limits = ctx.tolerances.for_record(keys[k][0], base.names[i], base.dtypes[i])
+    judged_as: list[str] = []
+    # The runs' arithmetic: a float32 record computed from bfloat16 products carries their rounding.
+    arithmetic = effective_dtype(*set(base.dtypes), *set(cand.dtypes), "tf32" if ctx.tf32 else "float32")
+    for k, (base_group, cand_group) in enumerate(pairs):
+        i = base_group[0]
+        dtype = base.dtypes[i]
+        if dtype in PRECISION_ORDER:
+            dtype = effective_dtype(dtype, cand.dtypes[cand_group[0]], arithmetic)
+        judged_as.append(dtype)
+        limits = ctx.tolerances.for_record(keys[k][0], base.names[i], dtype)
         for m in METRICS:
             limit = limits[m]
             if ctx.noise is not None and m not in ("shape", "nonfinite") and np.isfinite(limit):
                 limit = ctx.noise.tolerance(keys[k], m, limit)
             tolerance[m][k] = limit
     result.values = values
+    result.tolerance = tolerance
     over = np.stack([values[m] > tolerance[m] for m in METRICS])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.stack(
@@ -164,6 +189,7 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
                 ndim=len(base.shapes[i]),
                 scale=float(scale[k]),
                 noise=band.get(m, 0.0) if band is not None else -1.0,
+                dtype=judged_as[k],
             )
         )
     return result
@@ -172,13 +198,68 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
 Pair = tuple[list[int], list[int]]
 
 
-def _join(base: StepData, cand: StepData, mapping: NameMapping) -> tuple[list[Pair], list[str], list[str]]:
-    """Match records: fused groups first, then names (after mapping); in the baseline's order."""
+def _fused_metrics(
+    base: StepData, cand: StepData, base_group: list[int], cand_group: list[int], rule: FusedRule, ctx: CompareContext
+) -> dict[str, float] | None:
+    """Full-tensor metrics of a fused group ({} without every payload); None if its shapes cannot match.
+
+    The parts are brought into the single side's layout and combined: outputs and
+    output gradients along the rule's axis; parameters along the single side's out
+    axis (a Linear weight's is 0 in torch's [out, in], -1 in paddle's [in, out]; a
+    bias has only axis 0), parts transposed where their layout differs.  Raises
+    codec.PayloadError for a payload that does not decode.
+    """
+    # one: the side holding the fused module (record s); many: the side holding its parts.
+    if rule.single_side == "candidate":
+        one, s, one_fw = cand, cand_group[0], ctx.cand_framework
+        many, parts, many_fw = base, base_group, ctx.base_framework
+    else:
+        one, s, one_fw = base, base_group[0], ctx.base_framework
+        many, parts, many_fw = cand, cand_group, ctx.cand_framework
+    if int(one.phase[s]) == pb.INPUT:
+        # Each part reads the fused module's whole input, not a piece of it (inputs carry no payload).
+        return {} if all(layout.shapes_compatible(one.shapes[s], many.shapes[p], False) for p in parts) else None
+    # The parts must hold the same elements as the fused module (merged statistics compare them).
+    if sum(many.table["count"][parts]) != one.table["count"][s]:
+        return None
+    if int(one.phase[s]) in _PARAM_PHASES:
+        single = (one_fw, one.types[s], one.names[s])
+        flips = [layout.needs_transpose(single, (many_fw, many.types[p], many.names[p])) for p in parts]
+        axis = -1 if layout.is_in_out(*single) else 0
+    else:
+        flips = [False] * len(parts)
+        axis = rule.axis
+    shapes = [tuple(reversed(many.shapes[p])) if flip else many.shapes[p] for p, flip in zip(parts, flips)]
+    combined = layout.fused_shape(shapes, axis, rule.groups)
+    if combined is None or not layout.shapes_compatible(one.shapes[s], combined, False):
+        # Same elements in another axis order, declared so: statistics only, as for 1:1 records.
+        permuted = combined is not None and sorted(combined) == sorted(one.shapes[s]) and any(
+            ctx.mapping.is_permuted(base.names[i]) for i in base_group
+        )
+        return {} if permuted else None
+    if s not in one.payloads or any(p not in many.payloads for p in parts):
+        return {}
+    single_tensor = _decode(one, s)
+    decoded = [_decode(many, p) for p in parts]
+    fused = layout.fuse([part.T if flip else part for part, flip in zip(decoded, flips)], axis, rule.groups)
+    # rel_l2 is relative to the baseline, whichever side is fused.
+    a, b = (fused, single_tensor) if rule.single_side == "candidate" else (single_tensor, fused)
+    return metrics.from_tensors(*layout.align(a, b, False))
+
+
+def _join(
+    base: StepData, cand: StepData, mapping: NameMapping
+) -> tuple[list[Pair], dict[int, FusedRule], list[str], list[str]]:
+    """Match records: fused groups first, then names (after mapping); in the baseline's order.
+
+    Fused pairs' rules are keyed by the pair's first baseline record (each is in one pair only).
+    """
     def key(data: StepData, i: int, name: str) -> tuple[int, str, int, int]:
         return (int(data.phase[i]), name, int(data.call_index[i]), int(data.slot[i]))
 
     base_index = {key(base, i, name): i for i, name in enumerate(base.names)}
     pairs: list[Pair] = []
+    fused_rules: dict[int, FusedRule] = {}
     used_base: set[int] = set()
     used_cand: set[int] = set()
     if mapping.fused:
@@ -189,16 +270,19 @@ def _join(base: StepData, cand: StepData, mapping: NameMapping) -> tuple[list[Pa
         ):
             for x, name in enumerate(data.names):
                 module, local = _split(int(data.phase[x]), name)
-                parts = mapping.fused_parts(side, module)
-                if not parts:
+                matched = mapping.fused_match(side, module)
+                if not matched:
                     continue
+                rule, parts = matched
                 found = [index.get(key(data, x, part + local)) for part in parts]
                 if any(f is None or f in used_parts for f in found):
                     continue
                 used_single.add(x)
                 used_parts.update(found)  # type: ignore[arg-type]
                 group = [f for f in found if f is not None]
-                pairs.append((group, [x]) if side == "candidate" else ([x], group))
+                pair = (group, [x]) if side == "candidate" else ([x], group)
+                pairs.append(pair)
+                fused_rules[pair[0][0]] = rule
     unmatched_candidate: list[str] = []
     for j, name in enumerate(cand.names):
         if j in used_cand:
@@ -211,7 +295,7 @@ def _join(base: StepData, cand: StepData, mapping: NameMapping) -> tuple[list[Pa
         pairs.append(([i], [j]))
     pairs.sort(key=lambda pair: pair[0][0])
     unmatched_baseline = [_label(int(base.phase[i]), base.names[i]) for i in range(len(base)) if i not in used_base]
-    return pairs, unmatched_baseline, unmatched_candidate
+    return pairs, fused_rules, unmatched_baseline, unmatched_candidate
 
 
 def _split(phase: int, name: str) -> tuple[str, str]:

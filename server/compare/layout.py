@@ -52,3 +52,29 @@ def align(base: np.ndarray, cand: np.ndarray, transpose: bool) -> tuple[np.ndarr
     if base.shape != cand.shape:
         base, cand = np.broadcast_arrays(base, cand)
     return base, cand
+
+
+def fused_shape(shapes: list[tuple[int, ...]], axis: int, groups: int) -> tuple[int, ...] | None:
+    """Shape of the parts combined by ``fuse``; None when they cannot be (a shape divergence, not an error).
+
+    The parts must have one rank, agree off ``axis``, and split into ``groups``
+    equal chunks along it.
+    """
+    ndim = len(shapes[0])
+    if groups < 1 or any(len(s) != ndim for s in shapes) or not -ndim <= axis < ndim:
+        return None
+    axis %= ndim
+    if len({s[:axis] + s[axis + 1:] for s in shapes}) != 1 or any(s[axis] % groups for s in shapes):
+        return None
+    return shapes[0][:axis] + (sum(s[axis] for s in shapes),) + shapes[0][axis + 1:]
+
+
+def fuse(parts: list[np.ndarray], axis: int, groups: int) -> np.ndarray:
+    """The fused tensor: each part cut into ``groups`` chunks along ``axis``, chunks interleaved.
+
+    [p1_0, p2_0, p3_0, p1_1, p2_1, p3_1, ...]; with G query heads per KV head and
+    groups = KV heads this is a grouped-query qkv projection (paddleformers,
+    Megatron); groups = 1 is a plain concatenation.  Shapes checked by fused_shape.
+    """
+    chunks = [np.split(part, groups, axis=axis) for part in parts]
+    return np.concatenate([chunk[g] for g in range(groups) for chunk in chunks], axis=axis)

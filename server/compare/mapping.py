@@ -8,13 +8,19 @@ Names match when identical.  A mapping file renames candidate modules:
     fused:                                         # one module on one side, several on the other
       - candidate: 'layers\\.(\\d+)\\.self_attn\\.qkv_proj'
         baseline: ['layers.\\1.self_attn.q_proj', 'layers.\\1.self_attn.k_proj', 'layers.\\1.self_attn.v_proj']
+        groups: 2                                  # optional: chunks per part, interleaved (KV heads)
+        axis: -1                                   # optional: the outputs' feature axis
 
 The single side of a fused rule is a regular expression over that side's
 module names (full match); the list side holds templates (``\\1`` refers to
 its groups).  Their parameters follow (``qkv_proj.weight`` is compared with
-``q_proj.weight``, ``k_proj.weight`` and ``v_proj.weight`` together).  Parts
-are compared through merged statistics, which are exact for a concatenation
-in any order or interleaving.
+``q_proj.weight``, ``k_proj.weight`` and ``v_proj.weight`` together).  Merged
+statistics are exact for a concatenation in any order or interleaving; full
+tensors need the order: each part is cut into ``groups`` equal chunks along
+``axis`` and the fused tensor holds [p1_0, p2_0, p3_0, p1_1, p2_1, ...]
+(``groups: 1``, the default, is a plain concatenation in the listed order).
+``axis`` applies to outputs and output gradients; parameters are combined
+along their own out axis (see comparator).
 
 msprobe's class-keyed ``layer_mapping`` files are read too (config key
 ``layer_mapping_file``, or any mapping file with a ``TopLayer`` key): a key
@@ -74,11 +80,16 @@ class NameMapping:
 
     def fused_parts(self, side: str, module_name: str) -> list[str] | None:
         """Names on the other side that together match ``module_name`` of ``side``, if a rule says so."""
+        found = self.fused_match(side, module_name)
+        return found[1] if found else None
+
+    def fused_match(self, side: str, module_name: str) -> tuple["FusedRule", list[str]] | None:
+        """The fused rule for ``module_name`` of ``side`` and its parts' names: the rule says how to combine them."""
         for rule in self.fused:
             if rule.single_side == side:
                 match = rule.pattern.fullmatch(module_name)
                 if match:
-                    return [match.expand(template) for template in rule.parts]
+                    return rule, [match.expand(template) for template in rule.parts]
         return None
 
     def to_baseline(self, candidate_name: str) -> str:
@@ -180,16 +191,23 @@ class NameMapping:
         return cls(exact=dict(exact), prefix=prefix, regex=regex, fused=fused, permuted=permuted)
 
 
+_FUSED_KEYS = frozenset({"candidate", "baseline", "axis", "groups"})
+
+
 @dataclass
 class FusedRule:
     single_side: str  # "candidate" or "baseline": the side holding one fused module
     pattern: re.Pattern[str]
     parts: list[str]
+    axis: int = -1
+    """Axis of outputs and output gradients along which the parts make up the fused tensor."""
+    groups: int = 1
+    """Chunks per part, interleaved: [p1_0, p2_0, ..., p1_1, p2_1, ...] (KV heads for a grouped qkv)."""
 
     @classmethod
     def from_dict(cls, rule: Any, where: str) -> "FusedRule":
-        if not isinstance(rule, dict) or set(rule) != {"candidate", "baseline"}:
-            raise ValueError(f"{where} needs exactly the keys candidate and baseline")
+        if not isinstance(rule, dict) or not {"candidate", "baseline"} <= set(rule) or set(rule) - _FUSED_KEYS:
+            raise ValueError(f"{where} needs the keys candidate and baseline (optional: axis, groups)")
         cand, base = rule["candidate"], rule["baseline"]
         if isinstance(cand, str) and isinstance(base, list):
             side, single, parts = "candidate", cand, base
@@ -199,11 +217,17 @@ class FusedRule:
             raise ValueError(f"{where}: one of candidate/baseline must be a pattern, the other a list of names")
         if len(parts) < 2 or not all(isinstance(p, str) for p in parts):
             raise ValueError(f"{where}: the list side needs at least two names")
+        axis, groups = rule.get("axis", -1), rule.get("groups", 1)
+        # bool is an int subclass: `groups: true` is a typo, not 1.
+        if not isinstance(axis, int) or isinstance(axis, bool):
+            raise ValueError(f"{where}.axis must be an integer (negative counts from the last axis), got {axis!r}")
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+            raise ValueError(f"{where}.groups must be a positive integer, got {groups!r}")
         try:
             pattern = re.compile(single)
         except re.error as exc:
             raise ValueError(f"{where}: {single!r} is not a valid regex: {exc}") from None
-        return cls(side, pattern, list(parts))
+        return cls(side, pattern, list(parts), axis=axis, groups=groups)
 
 
 def layer_mapping_from_dict(data: Any, where: str) -> dict[str, dict[str, str]]:

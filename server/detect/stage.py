@@ -71,7 +71,8 @@ def _describe(row: Row, comparison: StepComparison) -> str:
         matrices = [r for r in divergent if r.ndim >= 2]
         if not matrices:
             kind = "only 1-D parameters (norm weights, biases)"
-            hint = "weight decay applied to parameters the baseline exempts (or the reverse)"
+            hint = ("weight decay applied to parameters the baseline exempts (or the reverse), or the "
+                    "optimizer's epsilon if their gradients are tiny")
         elif len(divergent) == len(in_phase) or len(divergent) >= 0.9 * len(in_phase):
             kind = f"{len(divergent)} of {len(in_phase)} parameters"
             hint = "learning rate, schedule, betas or epsilon"
@@ -80,7 +81,8 @@ def _describe(row: Row, comparison: StepComparison) -> str:
                 hint = f"learning rate (zero-initialised parameters moved x{zero_init:.4g} as far in the first update)"
         else:
             kind = f"{len(divergent)} of {len(in_phase)} parameters"
-            hint = "per-parameter-group settings (learning rate, weight decay, clipping of some groups)"
+            hint = ("per-parameter-group settings (learning rate, weight decay, clipping of some groups), or the "
+                    "optimizer's epsilon, which moves first the parameters whose gradients are tiny")
         return (
             f"optimizer: forward and gradients matched; after the update {kind} differ, first {name}: check {hint}"
         )

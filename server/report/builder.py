@@ -26,7 +26,6 @@ def build_report(session: Session) -> pb.Report:
         )
         if first is not None:
             row, comparison = first.row, first.comparison
-            row, comparison = first.row, first.comparison
             report.first_divergence.CopyFrom(first.to_proto())
             report.stage = report.first_divergence.stage
             report.culprit = explain(row, comparison)
@@ -40,6 +39,7 @@ def build_report(session: Session) -> pb.Report:
             summary = session.long_run.summary(run, next(iter(session.references), None), session.config.noise_multiple)
             if summary is not None:
                 report.long_run.append(summary)
+            report.headroom.extend(session.headroom.to_proto(run))
     return report
 
 

@@ -41,6 +41,15 @@ def assert_serving(server, name: str = "healthy") -> None:
     assert report["steps_compared"] == 2
 
 
+def test_unknown_precision_is_refused(server):
+    message = hello("s", "r")
+    message.hello.precision = "fp8"
+    error = RawStream(server.address).send(message).error()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown precision 'fp8'" in error.details()
+    assert_serving(server)
+
+
 def test_unknown_protocol_version_is_refused(server):
     error = RawStream(server.address).send(hello("s", "r", version=99)).error()
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -17,10 +17,13 @@ from tests.ports import models
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: paddleformers fuses q/k/v and gate/up where transformers keeps them apart (Ernie4_5, Gemma3).
+#: Layouts as models.fuse_qkv / fuse_gate_up: qkv_proj's columns are grouped by KV head
+#: ([q heads of group g, k_g, v_g] per g: groups = KV heads); up_gate_proj is [gate | up].
 FUSED_MAPPING: dict[str, Any] = {
     "fused": [
         {"candidate": r"model\.layers\.(\d+)\.self_attn\.qkv_proj",
-         "baseline": [r"model.layers.\1.self_attn.q_proj", r"model.layers.\1.self_attn.k_proj", r"model.layers.\1.self_attn.v_proj"]},
+         "baseline": [r"model.layers.\1.self_attn.q_proj", r"model.layers.\1.self_attn.k_proj", r"model.layers.\1.self_attn.v_proj"],
+         "groups": models.KV_HEADS},
         {"candidate": r"model\.layers\.(\d+)\.mlp\.up_gate_proj",
          "baseline": [r"model.layers.\1.mlp.gate_proj", r"model.layers.\1.mlp.up_proj"]},
     ],

@@ -16,7 +16,8 @@ from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.server.errors import InputError
 from twinstep.v1 import twinstep_pb2 as pb
 
-PHASE = {"forward": pb.FORWARD, "loss": pb.LOSS, "backward": pb.BACKWARD, "grad": pb.GRAD, "param": pb.PARAM}
+PHASE = {"forward": pb.FORWARD, "loss": pb.LOSS, "backward": pb.BACKWARD, "grad": pb.GRAD, "param": pb.PARAM,
+         "input": pb.INPUT}
 
 
 @dataclass
@@ -36,7 +37,7 @@ def _manifest_message(records: list[Rec]) -> tuple[pb.Manifest, dict[tuple[str, 
     message = pb.Manifest()
     ids: dict[tuple[str, str], int] = {}
     for r in records:
-        if r.phase in ("forward", "backward"):
+        if r.phase in ("forward", "backward", "input"):
             key = ("module", r.name)
             if key not in ids:
                 ids[key] = len([k for k in ids if k[0] == "module"]) + 10  # ids need not start at 0
@@ -60,7 +61,7 @@ def build(records: list[Rec], step: int = 3, rank: int = 0) -> tuple[pb.StepReco
     msg = pb.StepRecords(rank=rank, step=step)
     for i, r in enumerate(records):
         msg.phase.append(PHASE[r.phase])
-        if r.phase in ("forward", "backward"):
+        if r.phase in ("forward", "backward", "input"):
             msg.target.append(ids[("module", r.name)])
         elif r.phase in ("grad", "param"):
             msg.target.append(ids[("param", r.name)])
@@ -270,6 +271,43 @@ def test_bfloat16_records_get_looser_tolerance():
         assert compare_step(base, cand, ctx()).rows[0].divergent is expect, dtype
 
 
+def test_a_bfloat16_candidate_of_a_float32_baseline_is_judged_as_bfloat16():
+    x = _rng(3).normal(size=(4, 8))
+    shifted = x + 1e-4 * np.sqrt(np.mean(x**2))
+    base = decoded([Rec("forward", "fc", x, dtype="float32")])
+    cand = decoded([Rec("forward", "fc", shifted, dtype="bfloat16")])
+    row = compare_step(base, cand, ctx()).rows[0]
+    assert (row.divergent, row.dtype) == (False, "bfloat16")
+
+
+def test_float32_records_of_a_mixed_precision_step_are_judged_as_its_low_precision():
+    """A float32 norm output downstream of bfloat16 products carries their rounding."""
+    x = _rng(4).normal(size=(4, 8))
+    shifted = x + 1e-4 * np.sqrt(np.mean(x**2))
+    matmul = _rng(5).normal(size=(4, 8))
+    base = decoded([Rec("forward", "fc", matmul, dtype="bfloat16"), Rec("forward", "norm", x)])
+    cand = decoded([Rec("forward", "fc", matmul, dtype="bfloat16"), Rec("forward", "norm", shifted)])
+    norm = compare_step(base, cand, ctx()).rows[1]
+    assert (norm.name, norm.divergent, norm.dtype) == ("norm", False, "bfloat16")
+    # The same records in an all-float32 step are held to float32 tolerances.
+    base32 = decoded([Rec("forward", "fc", matmul), Rec("forward", "norm", x)])
+    cand32 = decoded([Rec("forward", "fc", matmul), Rec("forward", "norm", shifted)])
+    assert compare_step(base32, cand32, ctx()).rows[1].divergent
+
+
+def test_tf32_runs_loosen_float32_records_but_never_integer_ones():
+    x = _rng(6).normal(size=(4, 8))
+    shifted = x + 1e-4 * np.sqrt(np.mean(x**2))
+    ids = np.arange(8).reshape(2, 4)
+    base = decoded([Rec("input", "embed", ids, dtype="int64"), Rec("forward", "fc", x)])
+    cand = decoded([Rec("input", "embed", ids + 1, dtype="int64"), Rec("forward", "fc", shifted)])
+    context = ctx()
+    context.tf32 = True
+    rows = {r.name: r for r in compare_step(base, cand, context).rows}
+    assert (rows["fc"].divergent, rows["fc"].dtype) == (False, "tf32")
+    assert (rows["embed"].divergent, rows["embed"].dtype) == (True, "int64")
+
+
 def test_renamed_candidate_matches_through_mapping():
     base = decoded(model_records())
     cand_records = model_records(prefix="model.")
@@ -414,3 +452,228 @@ def test_transposed_vector_is_a_shape_mismatch_not_a_broadcast():
     cand = decoded([Rec("forward", "gate", x.reshape(1, 8), payload=True)])  # same statistics
     row = compare_step(base, cand, ctx()).rows[0]
     assert row.divergent and row.metric == "shape"
+
+
+# -- fused groups: full tensors ----------------------------------------------------
+# paddleformers' qkv_proj groups its output columns by KV head (models.fuse_qkv):
+# [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1]; 4 query heads, 2 KV heads.
+
+from tests.ports import models  # noqa: E402  (numpy only: the real ports' fused layouts)
+
+D = 3
+HID = models.HEADS * D  # q_proj is square: its shape cannot tell [in, out] from [out, in]
+QKV = {"candidate": r"attn\.qkv_proj", "baseline": ["attn.q_proj", "attn.k_proj", "attn.v_proj"]}
+
+
+def fused_out(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """paddleformers' qkv_proj output [..., out] from the q/k/v outputs (via the ports' weight fusion)."""
+    lead = q.shape[:-1]
+    flat = [a.reshape(-1, a.shape[-1]).T for a in (q, k, v)]
+    return models.fuse_qkv(*flat).reshape(*lead, -1)
+
+
+def qkv_tensors(seed: int = 11) -> dict[str, np.ndarray]:
+    """torch-side q/k/v outputs, output gradients, weights [out, in], biases, weight gradients."""
+    rng = _rng(seed)
+    out = {"q": HID, "k": models.KV_HEADS * D, "v": models.KV_HEADS * D}
+    t = {}
+    for x, n in out.items():
+        t[f"y{x}"] = rng.normal(size=(2, 5, n)).astype(np.float32)
+        t[f"dy{x}"] = (rng.normal(size=(2, 5, n)) * 1e-3).astype(np.float32)
+        t[f"w{x}"] = rng.normal(size=(n, HID)).astype(np.float32)
+        t[f"gw{x}"] = (rng.normal(size=(n, HID)) * 1e-2).astype(np.float32)
+        t[f"b{x}"] = rng.normal(size=n).astype(np.float32)
+    return t
+
+
+def torch_parts(t: dict[str, np.ndarray], prefix: str = "attn") -> list[Rec]:
+    recs = []
+    for x in "qkv":
+        name = f"{prefix}.{x}_proj"
+        recs += [Rec("forward", name, t[f"y{x}"], payload=True), Rec("backward", name, t[f"dy{x}"], payload=True),
+                 Rec("grad", f"{name}.weight", t[f"gw{x}"], payload=True),
+                 Rec("param", f"{name}.weight", t[f"w{x}"], payload=True),
+                 Rec("param", f"{name}.bias", t[f"b{x}"], payload=True)]
+    return recs
+
+
+def paddle_fused(t: dict[str, np.ndarray], prefix: str = "attn") -> list[Rec]:
+    """The same numbers as paddleformers holds them: one qkv_proj, weights [in, out]."""
+    name = f"{prefix}.qkv_proj"
+    return [
+        Rec("forward", name, fused_out(t["yq"], t["yk"], t["yv"]), payload=True),
+        Rec("backward", name, fused_out(t["dyq"], t["dyk"], t["dyv"]), payload=True),
+        Rec("grad", f"{name}.weight", models.fuse_qkv(t["gwq"], t["gwk"], t["gwv"]), payload=True),
+        Rec("param", f"{name}.weight", models.fuse_qkv(t["wq"], t["wk"], t["wv"]), payload=True),
+        Rec("param", f"{name}.bias", models.fuse_qkv(t["bq"][:, None], t["bk"][:, None], t["bv"][:, None])[0],
+            payload=True),
+    ]
+
+
+def fused_mapping(rule: dict, **options) -> NameMapping:
+    return NameMapping.from_dict({"fused": [{**rule, **options}]})
+
+
+def metric_of(result, phase: str, name: str, metric: str = "rel_l2") -> float:
+    """A row's value of ``metric`` (full-tensor metrics are only in ``values``); name on either side."""
+    [k] = [k for k, row in enumerate(result.rows) if row.phase == phase and name in (row.name, row.candidate_name)]
+    return float(result.values[metric][k])
+
+
+FUSED_ROWS = [("forward", "attn.qkv_proj"), ("backward", "attn.qkv_proj"), ("grad", "attn.qkv_proj.weight"),
+              ("param", "attn.qkv_proj.weight"), ("param", "attn.qkv_proj.bias")]
+
+
+def test_fused_qkv_with_kv_head_groups_compares_full_tensors():
+    t = qkv_tensors()
+    base, cand = decoded(torch_parts(t)), decoded(paddle_fused(t))
+    result = compare_step(base, cand, ctx("torch", "paddle", fused_mapping(QKV, groups=models.KV_HEADS)))
+    assert result.unmatched_baseline == [] and result.unmatched_candidate == [] and result.errors == []
+    assert len(result.rows) == len(FUSED_ROWS)
+    assert result.first is None, result.rows
+    for phase, name in FUSED_ROWS:
+        assert metric_of(result, phase, name) == 0.0, (phase, name)
+        assert metric_of(result, phase, name, "cosine") < 1e-12
+        assert metric_of(result, phase, name, "shape") == 0.0
+    # A plain [q | k | v] reading of the same tensors: statistics cannot tell, full tensors can.
+    plain = compare_step(base, cand, ctx("torch", "paddle", fused_mapping(QKV)))
+    for phase, name in FUSED_ROWS[:4]:  # the bias is per feature too, but check the big ones
+        assert metric_of(plain, phase, name) > 0.5, (phase, name)
+        assert metric_of(plain, phase, name, "rms") < 1e-6
+    assert plain.first is not None and plain.first.metric in ("rel_l2", "cosine", "max_abs")
+
+
+def test_fused_part_perturbed_gives_its_rel_l2():
+    t = qkv_tensors()
+    dk = (_rng(12).normal(size=t["yk"].shape) * 1e-2).astype(np.float32)
+    cand_t = dict(t, yk=t["yk"] + dk)
+    result = compare_step(decoded(torch_parts(t)), decoded(paddle_fused(cand_t)),
+                          ctx("torch", "paddle", fused_mapping(QKV, groups=2)))
+    norm = np.sqrt(sum(np.sum(t[f"y{x}"].astype(np.float64) ** 2) for x in "qkv"))
+    diff = (t["yk"] + dk).astype(np.float64) - t["yk"]  # what float32 really holds
+    assert metric_of(result, "forward", "attn.qkv_proj") == pytest.approx(np.linalg.norm(diff) / norm, rel=1e-6)
+    assert metric_of(result, "forward", "attn.qkv_proj", "max_abs") == pytest.approx(np.abs(diff).max(), rel=1e-6)
+    assert result.first is not None and result.first.phase == "forward"
+    assert metric_of(result, "param", "attn.qkv_proj.weight") == 0.0
+
+
+def test_fused_chunks_in_another_order_give_the_right_rel_l2():
+    rng = _rng(13)
+    gate, up = rng.normal(size=(2, 4, 16)).astype(np.float32), rng.normal(size=(2, 4, 16)).astype(np.float32)
+    rule = {"candidate": r"mlp\.up_gate_proj", "baseline": ["mlp.gate_proj", "mlp.up_proj"]}
+    base = decoded([Rec("forward", "mlp.gate_proj", gate, payload=True),
+                    Rec("forward", "mlp.up_proj", up, payload=True)])
+    swapped = decoded([Rec("forward", "mlp.up_gate_proj", np.concatenate([up, gate], -1), payload=True)])
+    g, u = gate.astype(np.float64), up.astype(np.float64)
+    expected = np.sqrt(2 * np.sum((g - u) ** 2)) / np.sqrt(np.sum(g**2) + np.sum(u**2))
+    result = compare_step(base, swapped, ctx(mapping=fused_mapping(rule)))
+    assert metric_of(result, "forward", "mlp.up_gate_proj") == pytest.approx(expected, rel=1e-9)
+    assert result.first is not None
+    # Listed in the fused tensor's order, the same tensors agree.
+    listed = fused_mapping({**rule, "baseline": ["mlp.up_proj", "mlp.gate_proj"]})
+    assert compare_step(base, swapped, ctx(mapping=listed)).first is None
+    # groups = 2 interleaves halves: [g_0, u_0, g_1, u_1] is not [g | u]
+    halves = np.concatenate([gate[..., :8], up[..., :8], gate[..., 8:], up[..., 8:]], -1)
+    grouped = decoded([Rec("forward", "mlp.up_gate_proj", halves, payload=True)])
+    assert metric_of(compare_step(base, grouped, ctx(mapping=fused_mapping(rule, groups=2))),
+                     "forward", "mlp.up_gate_proj") == 0.0
+    h = halves.astype(np.float64)
+    concat = np.concatenate([g, u], -1)
+    assert metric_of(compare_step(base, grouped, ctx(mapping=fused_mapping(rule))), "forward", "mlp.up_gate_proj") == (
+        pytest.approx(np.linalg.norm(concat - h) / np.linalg.norm(concat), rel=1e-9)
+    )
+
+
+def _gate_up_weights(cand_framework: str, fused: np.ndarray, fused_type: str = "Linear"):
+    rng = _rng(14)
+    gate, up = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32)  # square
+    base = decoded([Rec("param", "mlp.gate_proj.weight", gate, payload=True),
+                    Rec("param", "mlp.up_proj.weight", up, payload=True)])
+    cand = decoded([Rec("param", "mlp.up_gate_proj.weight", fused(gate, up), type=fused_type, payload=True)])
+    rule = {"candidate": r"mlp\.up_gate_proj", "baseline": ["mlp.gate_proj", "mlp.up_proj"]}
+    result = compare_step(base, cand, ctx("torch", cand_framework, fused_mapping(rule)))
+    return metric_of(result, "param", "mlp.up_gate_proj.weight"), result
+
+
+def test_fused_square_weights_follow_each_sides_layout():
+    # paddle Linear [in, out]: parts transposed, concatenated along the last axis (models.fuse_gate_up)
+    value, result = _gate_up_weights("paddle", models.fuse_gate_up)
+    assert value == 0.0 and result.first is None and result.errors == []
+    # torch Linear [out, in]: concatenated along axis 0, no transpose
+    value, result = _gate_up_weights("torch", lambda g, u: np.concatenate([g, u], 0))
+    assert value == 0.0 and result.first is None
+    # paddle weight that holds the parts untransposed: same shape [8, 16], other numbers
+    value, result = _gate_up_weights("paddle", lambda g, u: np.concatenate([g, u], 1))
+    assert value > 0.5 and result.first is not None and result.first.metric in ("rel_l2", "cosine", "max_abs")
+    # a paddle module type not stored [in, out] is combined along axis 0: [8, 16] is then a shape divergence
+    value, result = _gate_up_weights("paddle", models.fuse_gate_up, fused_type="Embedding")
+    assert result.first is not None and result.first.metric == "shape"
+
+
+def test_fused_side_on_the_baseline():
+    t = qkv_tensors()
+    rule = {"baseline": r"attn\.qkv_proj", "candidate": ["attn.q_proj", "attn.k_proj", "attn.v_proj"], "groups": 2}
+    base = decoded(paddle_fused(t))
+    mapping = NameMapping.from_dict({"fused": [rule]})
+    result = compare_step(base, decoded(torch_parts(t)), ctx("paddle", "torch", mapping))
+    assert result.unmatched_baseline == [] and result.unmatched_candidate == []
+    assert result.first is None, result.rows
+    assert [(r.phase, r.name, r.candidate_name) for r in result.rows][0] == (
+        "forward", "attn.qkv_proj", "attn.{q_proj,k_proj,v_proj}")
+    for phase, name in FUSED_ROWS:
+        assert metric_of(result, phase, name) == 0.0, (phase, name)
+    # k doubled in the candidate: rel_l2 is relative to the baseline, ||k|| / ||qkv||, not ||k|| / ||q, 2k, v||.
+    doubled = decoded(torch_parts(dict(t, yk=t["yk"] * 2, wk=t["wk"] * 2)))
+    result = compare_step(base, doubled, ctx("paddle", "torch", mapping))
+    for phase, prefix in (("forward", "y"), ("param", "w")):
+        name = "attn.qkv_proj" + (".weight" if phase == "param" else "")
+        parts = [t[prefix + x].astype(np.float64) for x in "qkv"]
+        expected = np.linalg.norm(parts[1]) / np.sqrt(sum(np.sum(p**2) for p in parts))
+        assert metric_of(result, phase, name) == pytest.approx(expected, rel=1e-6), phase
+
+
+@pytest.mark.parametrize("options", [{"groups": 4}, {"axis": 3}, {"axis": 0}])
+@pytest.mark.parametrize("payload", [True, False])
+def test_fused_parts_that_cannot_make_the_fused_tensor_are_a_shape_divergence(options, payload):
+    # k and v have 6 features: 4 groups do not divide them; axis 3 does not exist; along axis 0 the rest differs.
+    t = qkv_tensors()
+    base = [r for r in torch_parts(t) if r.phase == "forward"]
+    cand = [r for r in paddle_fused(t) if r.phase == "forward"]
+    for r in base + cand:
+        r.payload = payload
+    result = compare_step(decoded(base), decoded(cand), ctx("torch", "paddle", fused_mapping(QKV, **options)))
+    assert result.errors == []
+    row = result.first
+    assert row is not None and row.metric == "shape" and row.candidate_name == "attn.qkv_proj"
+
+
+def test_fused_rule_axis_combines_outputs_along_another_axis():
+    rng = _rng(15)
+    a, b = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
+    rule = {"candidate": "cat", "baseline": ["a", "b"]}
+    base = decoded([Rec("forward", "a", a, payload=True), Rec("forward", "b", b, payload=True)])
+    cand = decoded([Rec("forward", "cat", np.concatenate([a, b], 0), payload=True)])
+    assert compare_step(base, cand, ctx(mapping=fused_mapping(rule, axis=0))).first is None
+    assert compare_step(base, cand, ctx(mapping=fused_mapping(rule, axis=-2))).first is None
+    assert compare_step(base, cand, ctx(mapping=fused_mapping(rule))).first.metric == "shape"
+    flipped = decoded([Rec("forward", "cat", np.concatenate([b, a], 0), payload=True)])
+    assert metric_of(compare_step(base, flipped, ctx(mapping=fused_mapping(rule, axis=0))), "forward", "cat") > 0.5
+
+
+def test_fused_corrupt_payload_is_reported_not_raised():
+    t = qkv_tensors()
+    msg, manifest = build(paddle_fused(t)[:1])
+    msg.tensors[0].data = b"garbage"
+    result = compare_step(decoded(torch_parts(t)[:1] + torch_parts(t)[5:6] + torch_parts(t)[10:11]),
+                          decode_step(msg, manifest), ctx("torch", "paddle", fused_mapping(QKV, groups=2)))
+    assert len(result.errors) == 1 and "attn.{q_proj,k_proj,v_proj}" in result.errors[0]
+    assert result.first is None  # statistics still agree
+
+
+def test_fused_module_input_is_each_parts_input():
+    x = _rng(16).normal(size=(2, 5, HID)).astype(np.float32)
+    base = decoded([Rec("input", f"attn.{p}_proj", x) for p in "qkv"])
+    result = compare_step(base, decoded([Rec("input", "attn.qkv_proj", x)]), ctx("torch", "paddle", fused_mapping(QKV)))
+    assert [(r.phase, r.divergent) for r in result.rows] == [("input", False)]
+    other = decoded([Rec("input", "attn.qkv_proj", x[:, :4])])  # another input: a shape divergence
+    assert compare_step(base, other, ctx("torch", "paddle", fused_mapping(QKV))).rows[0].metric == "shape"

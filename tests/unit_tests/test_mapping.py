@@ -145,3 +145,49 @@ def test_from_dict_errors(data, match):
 def test_from_dict_error_names_where():
     with pytest.raises(ValueError, match=r"^session\.mapping\.regex\[0\]"):
         NameMapping.from_dict({"regex": [{"pattern": "["}]}, where="session.mapping")
+
+
+def test_fused_rule_axis_and_groups_parsed_with_defaults():
+    data = yaml.safe_load(
+        r"""
+fused:
+  - candidate: 'layers\.(\d+)\.qkv_proj'
+    baseline: ['layers.\1.q_proj', 'layers.\1.k_proj', 'layers.\1.v_proj']
+    groups: 2
+    axis: 0
+  - baseline: 'layers\.(\d+)\.up_gate_proj'
+    candidate: ['layers.\1.gate_proj', 'layers.\1.up_proj']
+"""
+    )
+    m = NameMapping.from_dict(data)
+    qkv, gate_up = m.fused
+    assert (qkv.single_side, qkv.groups, qkv.axis) == ("candidate", 2, 0)
+    assert (gate_up.single_side, gate_up.groups, gate_up.axis) == ("baseline", 1, -1)
+    rule, parts = m.fused_match("candidate", "layers.3.qkv_proj")
+    assert rule is qkv and parts == ["layers.3.q_proj", "layers.3.k_proj", "layers.3.v_proj"]
+    assert m.fused_parts("baseline", "layers.0.up_gate_proj") == ["layers.0.gate_proj", "layers.0.up_proj"]
+    assert m.fused_match("baseline", "layers.3.qkv_proj") is None
+
+
+QKV_RULE = {"candidate": r"qkv", "baseline": ["q", "k", "v"]}
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"groups": 0}, r"mapping\.fused\[0\]\.groups must be a positive integer, got 0"),
+        ({"groups": -2}, r"mapping\.fused\[0\]\.groups must be a positive integer"),
+        ({"groups": "2"}, r"mapping\.fused\[0\]\.groups must be a positive integer, got '2'"),
+        ({"groups": 1.5}, r"mapping\.fused\[0\]\.groups must be a positive integer"),
+        ({"groups": True}, r"mapping\.fused\[0\]\.groups must be a positive integer"),
+        ({"axis": "last"}, r"mapping\.fused\[0\]\.axis must be an integer"),
+        ({"axis": 1.0}, r"mapping\.fused\[0\]\.axis must be an integer"),
+        ({"axis": False}, r"mapping\.fused\[0\]\.axis must be an integer"),
+        ({"group": 2}, r"mapping\.fused\[0\] needs the keys candidate and baseline \(optional: axis, groups\)"),
+    ],
+)
+def test_fused_rule_option_errors(options, match):
+    with pytest.raises(ValueError, match=match):
+        NameMapping.from_dict({"fused": [{**QKV_RULE, **options}]})
+    # the rule is fine without the bad option
+    assert NameMapping.from_dict({"fused": [QKV_RULE]}).fused[0].groups == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -129,6 +130,13 @@ class PaddleBackend(CaptureBackend):
 
     def from_numpy(self, array: np.ndarray, like: paddle.Tensor) -> paddle.Tensor:
         return paddle.to_tensor(np.ascontiguousarray(array), dtype=like.dtype, place=like.place)
+
+    def float32_matmul_precision(self) -> str:
+        # Paddle multiplies float32 matrices with TF32 on Ampere and newer GPUs unless
+        # NVIDIA_TF32_OVERRIDE=0 (the seeds' advice for alignment runs).
+        if not paddle.is_compiled_with_cuda() or not paddle.device.get_device().startswith("gpu"):
+            return "fp32"
+        return "fp32" if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0" else "tf32"
 
     def loss_tensor(self, loss: Any) -> paddle.Tensor | None:
         if loss is None or isinstance(loss, paddle.Tensor):

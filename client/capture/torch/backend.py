@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -136,6 +137,13 @@ class TorchBackend(CaptureBackend):
 
     def from_numpy(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
+
+    def float32_matmul_precision(self) -> str:
+        # torch's switch for cuBLAS matmuls ("high"/"medium" allow TF32); NVIDIA_TF32_OVERRIDE=0
+        # (the seeds' advice for alignment runs) turns TF32 off below the framework.
+        if not torch.cuda.is_available() or os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+            return "fp32"
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
     def loss_tensor(self, loss: Any) -> torch.Tensor | None:
         if loss is None or isinstance(loss, torch.Tensor):

@@ -36,6 +36,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_UNSPECIFIED: _ClassVar[Codec]
     RAW: _ClassVar[Codec]
     ZSTD: _ClassVar[Codec]
+    QUANT_ZSTD: _ClassVar[Codec]
 PHASE_UNSPECIFIED: Phase
 FORWARD: Phase
 LOSS: Phase
@@ -57,9 +58,10 @@ BOOL: DType
 CODEC_UNSPECIFIED: Codec
 RAW: Codec
 ZSTD: Codec
+QUANT_ZSTD: Codec
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference")
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class Hello(_message.Message):
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     run: str
@@ -88,7 +91,8 @@ class Hello(_message.Message):
     capture: str
     max_lead: int
     reference: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ...) -> None: ...
+    precision: str
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("id", "name", "type")
@@ -125,7 +129,7 @@ class Manifest(_message.Message):
     def __init__(self, modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ...) -> None: ...
 
 class Statistics(_message.Message):
-    __slots__ = ("count", "sum", "sum_sq", "min", "max", "abs_max", "nan_count", "inf_count")
+    __slots__ = ("count", "sum", "sum_sq", "min", "max", "abs_max", "nan_count", "inf_count", "m2")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     SUM_SQ_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +138,7 @@ class Statistics(_message.Message):
     ABS_MAX_FIELD_NUMBER: _ClassVar[int]
     NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
     INF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    M2_FIELD_NUMBER: _ClassVar[int]
     count: _containers.RepeatedScalarFieldContainer[int]
     sum: _containers.RepeatedScalarFieldContainer[float]
     sum_sq: _containers.RepeatedScalarFieldContainer[float]
@@ -142,22 +147,39 @@ class Statistics(_message.Message):
     abs_max: _containers.RepeatedScalarFieldContainer[float]
     nan_count: _containers.RepeatedScalarFieldContainer[int]
     inf_count: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, count: _Optional[_Iterable[int]] = ..., sum: _Optional[_Iterable[float]] = ..., sum_sq: _Optional[_Iterable[float]] = ..., min: _Optional[_Iterable[float]] = ..., max: _Optional[_Iterable[float]] = ..., abs_max: _Optional[_Iterable[float]] = ..., nan_count: _Optional[_Iterable[int]] = ..., inf_count: _Optional[_Iterable[int]] = ...) -> None: ...
+    m2: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, count: _Optional[_Iterable[int]] = ..., sum: _Optional[_Iterable[float]] = ..., sum_sq: _Optional[_Iterable[float]] = ..., min: _Optional[_Iterable[float]] = ..., max: _Optional[_Iterable[float]] = ..., abs_max: _Optional[_Iterable[float]] = ..., nan_count: _Optional[_Iterable[int]] = ..., inf_count: _Optional[_Iterable[int]] = ..., m2: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorPayload(_message.Message):
-    __slots__ = ("record", "codec", "data", "raw_nbytes")
+    __slots__ = ("record", "codec", "data", "raw_nbytes", "error_bound", "quant_step")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_BOUND_FIELD_NUMBER: _ClassVar[int]
+    QUANT_STEP_FIELD_NUMBER: _ClassVar[int]
     record: int
     codec: Codec
     data: bytes
     raw_nbytes: int
-    def __init__(self, record: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., raw_nbytes: _Optional[int] = ...) -> None: ...
+    error_bound: float
+    quant_step: float
+    def __init__(self, record: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., raw_nbytes: _Optional[int] = ..., error_bound: _Optional[float] = ..., quant_step: _Optional[float] = ...) -> None: ...
+
+class Sketches(_message.Message):
+    __slots__ = ("buckets", "seed", "record", "values")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    buckets: int
+    seed: int
+    record: _containers.RepeatedScalarFieldContainer[int]
+    values: bytes
+    def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped", "sketches")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +199,7 @@ class StepRecords(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    SKETCHES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -189,7 +212,8 @@ class StepRecords(_message.Message):
     stats: Statistics
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     dropped: _containers.ScalarMap[str, int]
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    sketches: Sketches
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ("reason", "last_step", "dropped")
@@ -429,7 +453,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +468,7 @@ class Report(_message.Message):
     LONG_RUN_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -458,7 +483,28 @@ class Report(_message.Message):
     long_run: _containers.RepeatedCompositeFieldContainer[LongRun]
     culprit: str
     proposed_mapping: str
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ...) -> None: ...
+    headroom: _containers.RepeatedCompositeFieldContainer[Headroom]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ...) -> None: ...
+
+class Headroom(_message.Message):
+    __slots__ = ("candidate_run", "phase", "metric", "value", "tolerance", "step", "module", "dtype")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    phase: str
+    metric: str
+    value: float
+    tolerance: float
+    step: int
+    module: str
+    dtype: str
+    def __init__(self, candidate_run: _Optional[str] = ..., phase: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., step: _Optional[int] = ..., module: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class HaltRequest(_message.Message):
     __slots__ = ("session", "reason")
