@@ -20,6 +20,7 @@ from twinstep.server.align.window import RankAligner
 from twinstep.server.alert.events import EventBus
 from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
+from twinstep.server.compare.lossy import lossy_bounds
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.compare.records import Manifest, decode_step
 from twinstep.server.compare.tolerance import PRECISIONS
@@ -110,6 +111,7 @@ class Session:
         self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
         self.long_run = LongRunTracker(config.drift_window)
         self.headroom = HeadroomTracker()
+        self._lossy: dict[str, pb.LossyBound] | None = None
         self._halt_ids = itertools.count(1)
         self._halt_acks: dict[int, dict[int, int]] = {}
         self._halt_cond = threading.Condition(self.lock)
@@ -197,7 +199,16 @@ class Session:
             conn.send(_halt_command(-1, self.halt_reason))
         else:
             self._update_credits(hello.rank)
-        return pb.ServerMessage(welcome=pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received))
+        welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received)
+        if hello.capture == "lossy":
+            for phase, bound in self._lossy_bounds().items():
+                welcome.lossy[phase].CopyFrom(bound)
+        return pb.ServerMessage(welcome=welcome)
+
+    def _lossy_bounds(self) -> dict[str, pb.LossyBound]:
+        if self._lossy is None:
+            self._lossy = lossy_bounds(self.config.tolerances)
+        return self._lossy
 
     def leave(self, conn: Connection) -> None:
         """The stream of ``conn`` ended, cleanly (after Close) or not."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from twinstep import codec, stats
 from twinstep.server.compare import layout, metrics
+from twinstep.server.compare.lossy import ELEMENTWISE
 from twinstep.server.compare.mapping import FusedRule, NameMapping
 from twinstep.server.compare.records import PHASE_NAMES, StepData
 from twinstep.server.compare.tolerance import METRICS, PRECISION_ORDER, ToleranceConfig, effective_dtype
@@ -153,10 +154,14 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             dtype = effective_dtype(dtype, cand.dtypes[cand_group[0]], arithmetic)
         judged_as.append(dtype)
         limits = ctx.tolerances.for_record(keys[k][0], base.names[i], dtype)
+        lossy = _any_lossy(base, base_group) or _any_lossy(cand, cand_group)
         for m in METRICS:
             limit = limits[m]
             if ctx.noise is not None and m not in ("shape", "nonfinite") and np.isfinite(limit):
-                limit = ctx.noise.tolerance(keys[k], m, limit)
+                banded = ctx.noise.tolerance(keys[k], m, limit)
+                # A lossy payload resolves element-wise differences only down to the tolerance
+                # its error budget was derived from (server/compare/lossy.py).
+                limit = max(banded, limit) if lossy and m in ELEMENTWISE else banded
             tolerance[m][k] = limit
     result.values = values
     result.tolerance = tolerance
@@ -336,7 +341,12 @@ def _group_name(names: list[str]) -> str:
 
 def _decode(data: StepData, index: int) -> np.ndarray:
     payload = data.payloads[index]
-    return codec.decode(payload.codec, payload.data, payload.raw_nbytes, data.dtypes[index], data.shapes[index])
+    return codec.decode(payload.codec, payload.data, payload.raw_nbytes, data.dtypes[index], data.shapes[index],
+                        quant_step=payload.quant_step, error_bound=payload.error_bound)
+
+
+def _any_lossy(data: StepData, group: list[int]) -> bool:
+    return any(data.payloads[x].codec == pb.QUANT_ZSTD for x in group if x in data.payloads)
 
 
 def _label(phase: int, name: str) -> str:

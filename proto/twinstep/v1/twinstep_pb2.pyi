@@ -255,12 +255,29 @@ class ClientMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("protocol_version", "last_step_received")
+    __slots__ = ("protocol_version", "last_step_received", "lossy")
+    class LossyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: LossyBound
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[LossyBound, _Mapping]] = ...) -> None: ...
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     last_step_received: int
-    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ...) -> None: ...
+    lossy: _containers.MessageMap[str, LossyBound]
+    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ..., lossy: _Optional[_Mapping[str, LossyBound]] = ...) -> None: ...
+
+class LossyBound(_message.Message):
+    __slots__ = ("rms_fraction", "absolute")
+    RMS_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ABSOLUTE_FIELD_NUMBER: _ClassVar[int]
+    rms_fraction: float
+    absolute: float
+    def __init__(self, rms_fraction: _Optional[float] = ..., absolute: _Optional[float] = ...) -> None: ...
 
 class Credit(_message.Message):
     __slots__ = ("max_step", "acked_step")
