@@ -1,26 +1,104 @@
-"""Step-time overhead of twinstep's hooks: hooked vs unhooked, measured in one run.
+"""Step-time overhead of twinstep's hooks, and of its peer msprobe's, measured in one run.
 
-    python benchmarks/overhead.py [--framework torch|paddle|both] [--hidden 256] [--steps 20]
+    python benchmarks/overhead.py [--framework torch|paddle|both] [--hidden 256 [1024 ...]]
+                                  [--steps 20] [--block 5] [--warmup 2] [--tensors] [--control]
+                                  [--no-peer]
 
-The model is the demo transformer at issue 4's reference size (4 layers, hidden
-256, seq 128, batch 8, CPU).  Two copies with identical weights train side by
-side; blocks of plain and hooked steps alternate so machine noise hits both.
-The server runs in its own process, as it would in production.
+Every row trains the demo transformer at issue 4's reference size (4 layers,
+hidden 256 unless --hidden says otherwise, seq 128, batch 8, CPU, one thread)
+from the same initial weights on the same batches, and only the tool watching
+it differs:
+
+    unhooked            no tool
+    twinstep stats      twinstep.attach(capture="stats")
+    twinstep tensors    twinstep.attach(capture="tensors")          (--tensors)
+    unhooked again      no tool, in a second process: the noise floor  (--control)
+    msprobe L0          msprobe statistics, level L0  (module hooks)   torch only
+    msprobe mix         msprobe statistics, level mix (L0 + every torch API call,
+                        the optimizer's included)                      torch only
+
+Each row trains its own copy in its own process, so one tool's global patches
+(msprobe's mix level wraps torch's functions for the whole process) cannot leak
+into another row's timing.  The processes take turns, one block of steps each,
+in an order that rotates every round, so machine noise lands on every row
+alike; after its block, untimed, a twinstep row waits until the server has
+acknowledged every step, so its background sending does not run into the
+next row's block (how long that took is in its notes).  The twinstep server runs
+in its own process, as in production.  A row's ratio is its median step time
+over the unhooked row's; "rounds" is the range of that ratio over the rounds;
+"cpu ratio" is the same for the process's CPU time per step, which other jobs
+on the machine disturb far less than wall time.
+msprobe's dump directory is a temporary one: its size per step is reported,
+then it is deleted.
+
+The peer is PyPI's mindstudio-probe, pinned (with torch and paddle) by the
+``bench`` extra; its declared dependencies install cleanly beside twinstep's:
+
+    pip install -e ".[bench]"        # or: pip install mindstudio-probe==26.2.0
+
+Without it the msprobe rows are skipped with a note.  Hidden 1024 steps take
+seconds each on CPU: there use e.g. ``--steps 6 --block 2 --warmup 1``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from twinstep.demo import spec  # noqa: E402
+
+PEER_PACKAGE = "mindstudio-probe"
+PEER_VERSION = "26.2.0"
+PEER_INSTALL = f'pip install -e ".[bench]"   (or: pip install {PEER_PACKAGE}=={PEER_VERSION})'
+# Issue 4's goals for twinstep stats, by hidden size.
+TARGETS = {256: 1.10, 1024: 1.03}
+# Longest wait for one worker to answer (a block of hidden-1024 paddle steps is minutes).
+WORKER_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One way of running the training: which tool watches it, in which mode."""
+
+    label: str
+    tool: str  # "none", "twinstep" or "msprobe"
+    mode: str = ""  # twinstep capture ("stats"/"tensors") or msprobe level ("L0"/"mix")
+
+
+UNHOOKED = Row("unhooked", "none")
+TWINSTEP_STATS = Row("twinstep stats", "twinstep", "stats")
+
+
+def rows_for(framework: str, tensors: bool, peer: bool, control: bool = False) -> list[Row]:
+    """The rows measured for one framework; msprobe's debugger used here is torch's."""
+    rows = [UNHOOKED, TWINSTEP_STATS]
+    if control:
+        rows.insert(1, Row("unhooked again", "none"))
+    if tensors:
+        rows.append(Row("twinstep tensors", "twinstep", "tensors"))
+    if peer and framework == "torch":
+        rows += [Row("msprobe L0", "msprobe", "L0"), Row("msprobe mix", "msprobe", "mix")]
+    return rows
+
+
+def peer_installed() -> bool:
+    """True when msprobe can be imported; checked without importing it (it patches torch on use)."""
+    return importlib.util.find_spec("msprobe") is not None
 
 
 def free_port() -> int:
@@ -31,81 +109,311 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_trainer(framework: str, cfg: spec.ModelConfig):
-    from twinstep.demo.job import PaddleTrainer, TorchTrainer
+def dir_bytes(path: str) -> int:
+    """Total size of the files under path (0 if it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            total += os.path.getsize(os.path.join(root, name))
+    return total
 
-    return (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)
+
+# -- worker process: one row ---------------------------------------------------------
 
 
-def time_steps(trainer, mon, cfg, steps: list[int]) -> list[float]:
-    times = []
-    for step in steps:
-        ids, tgt = spec.batch(step, 0, cfg)
+class _Tool:
+    """What a tool does around one training step; the unhooked row does nothing."""
+
+    def begin(self) -> None:
+        pass
+
+    def end(self, loss: Any) -> None:
+        pass
+
+    def settle(self) -> None:
+        """After a block, untimed: finish background work so it cannot run into the next row's block."""
+
+    def close(self) -> dict[str, Any]:
+        return {}
+
+
+class _Twinstep(_Tool):
+    def __init__(self, model: Any, framework: str, capture: str, server: str) -> None:
+        import twinstep
+
+        self.mon = twinstep.attach(model, session=f"bench-{framework}-{capture}-{time.time()}", run=framework,
+                                   baseline=True, server=server, capture=capture)
+
+        self.drain_s = 0.0
+        self.blocks = 0
+
+    def end(self, loss: Any) -> None:
+        self.mon.step(loss=loss)
+
+    def settle(self) -> None:
+        # The monitor has no public flush; a step leaves the outbox once the server acknowledges it.
+        client = self.mon._client
         start = time.perf_counter()
-        loss = trainer.train_step(ids, tgt)
-        if mon is not None:
-            mon.step(loss=loss)
-        trainer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times
+        while client._steps and time.perf_counter() - start < 120:
+            time.sleep(0.005)
+        self.drain_s += time.perf_counter() - start
+        self.blocks += 1
+
+    def close(self) -> dict[str, Any]:
+        self.mon.close()
+        return {"sent": self.mon.stats.steps_sent, "dropped": sum(self.mon.stats.dropped.values()),
+                "drain_s_per_block": self.drain_s / max(self.blocks, 1)}
 
 
-def measure(framework: str, cfg: spec.ModelConfig, server: str, capture: str, steps: int, block: int) -> dict[str, float]:
-    import twinstep
+class _Msprobe(_Tool):
+    """msprobe's documented training-loop use: start(model) ... stop(); step() every step."""
 
-    plain = make_trainer(framework, cfg)
-    hooked = make_trainer(framework, cfg)
-    mon = twinstep.attach(hooked.inner, session=f"bench-{framework}-{capture}-{time.time()}", run=framework,
-                          baseline=True, server=server, capture=capture)
-    time_steps(plain, None, cfg, range(2))  # warm up both
-    time_steps(hooked, mon, cfg, range(2))
-    t_plain: list[float] = []
-    t_hooked: list[float] = []
-    for start in range(2, 2 + steps, block):
-        chunk = list(range(start, min(start + block, 2 + steps)))
-        t_plain += time_steps(plain, None, cfg, chunk)
-        t_hooked += time_steps(hooked, mon, cfg, chunk)
-    mon.close()
-    sent = mon.stats.steps_sent
-    return {
-        "plain_ms": 1000 * statistics.median(t_plain),
-        "hooked_ms": 1000 * statistics.median(t_hooked),
-        "ratio": statistics.median(t_hooked) / statistics.median(t_plain),
-        "sent": sent,
-        "dropped": sum(mon.stats.dropped.values()),
-    }
+    def __init__(self, model: Any, level: str, workdir: str) -> None:
+        from msprobe.pytorch import PrecisionDebugger
+
+        self.dump_path = os.path.join(workdir, "dump")
+        config_path = os.path.join(workdir, "config.json")
+        config = {
+            "task": "statistics", "dump_path": self.dump_path, "rank": [], "step": [], "level": level,
+            "async_dump": False,
+            "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"},
+        }
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        self.debugger = PrecisionDebugger(config_path=config_path)
+        self.model = model
+        self.steps = 0
+
+    def begin(self) -> None:
+        self.debugger.start(self.model)
+
+    def end(self, loss: Any) -> None:
+        self.debugger.stop()
+        self.debugger.step()
+        self.steps += 1
+
+    def close(self) -> dict[str, Any]:
+        size = dir_bytes(self.dump_path)
+        shutil.rmtree(self.dump_path, ignore_errors=True)
+        return {"disk_bytes_per_step": size / max(self.steps, 1)}
+
+
+def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, server: str, workdir: str) -> None:
+    """Train one copy under one row's tool, timing the blocks of steps the parent asks for."""
+    log = os.open(os.path.join(workdir, "log.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)  # msprobe logs every start/stop: keep the table readable
+    os.dup2(log, 2)
+    try:
+        from twinstep.demo.job import PaddleTrainer, TorchTrainer
+
+        trainer = (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)
+        tool: _Tool
+        if row.tool == "twinstep":
+            tool = _Twinstep(trainer.inner, framework, row.mode, server)
+        elif row.tool == "msprobe":
+            tool = _Msprobe(trainer.inner, row.mode, workdir)
+        else:
+            tool = _Tool()
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        kind, payload = conn.recv()
+        if kind == "steps":
+            times, cpu, losses = [], [], []
+            for step in payload:
+                ids, tgt = spec.batch(step, 0, cfg)
+                start, start_cpu = time.perf_counter(), time.process_time()
+                tool.begin()
+                loss = trainer.train_step(ids, tgt)
+                tool.end(loss)
+                trainer.zero_grad()
+                times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+                losses.append(float(loss.item()))
+            tool.settle()
+            conn.send(("times", (times, cpu, losses)))
+        else:
+            conn.send(("summary", tool.close()))
+            return
+
+
+# -- parent: interleave the rows -----------------------------------------------------
+
+
+class Worker:
+    """Parent-side handle on one row's process."""
+
+    def __init__(self, ctx: Any, framework: str, cfg: spec.ModelConfig, row: Row, server: str, tmp: str) -> None:
+        self.row = row
+        self.workdir = tempfile.mkdtemp(prefix=row.label.replace(" ", "-") + "-", dir=tmp)
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, framework, cfg, row, server, self.workdir), daemon=True)
+        self.proc.start()
+        child.close()
+        self.times: list[float] = []  # wall seconds per timed step
+        self.cpu: list[float] = []  # this process's CPU seconds (all its threads) per timed step
+        self.losses: list[float] = []
+        self.rounds: list[list[float]] = []
+
+    def call(self, kind: str, payload: Any = None) -> Any:
+        """Send one request and return the worker's answer."""
+        self.conn.send((kind, payload))
+        return self.receive()
+
+    def receive(self) -> Any:
+        """The worker's next answer; raises with its log when it failed or died."""
+        if not self.conn.poll(WORKER_TIMEOUT_S):
+            raise RuntimeError(f"{self.row.label}: no answer in {WORKER_TIMEOUT_S:.0f} s")
+        try:
+            answer, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.row.label}: worker died; its log:\n{self.log_tail()}") from None
+        if answer == "error":
+            raise RuntimeError(f"{self.row.label}: {value.strip().splitlines()[-1]}; its log:\n{self.log_tail()}")
+        return value
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            with open(os.path.join(self.workdir, "log.txt")) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def measure(framework: str, cfg: spec.ModelConfig, rows: list[Row], server: str, steps: int, block: int,
+            warmup: int, tmp: str) -> tuple[list[Worker], dict[Row, dict[str, Any]], list[str]]:
+    """Run every row's process in turn, a block at a time; returns workers, summaries and notes."""
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no tool state is inherited
+    workers: list[Worker] = []
+    notes: list[str] = []
+    for row in rows:
+        workers.append(Worker(ctx, framework, cfg, row, server, tmp))
+    ready: list[Worker] = []
+    for w in workers:
+        try:
+            w.receive()  # "ready", once the model and the tool are set up
+            ready.append(w)
+        except RuntimeError as e:
+            if w.row is UNHOOKED:
+                raise
+            notes.append(f"row skipped: {e}")
+            w.stop()
+    warm = list(range(warmup))
+    for w in ready:
+        if warm:
+            w.call("steps", warm)
+    for r, first in enumerate(range(warmup, warmup + steps, block)):
+        chunk = list(range(first, min(first + block, warmup + steps)))
+        order = ready[r % len(ready):] + ready[:r % len(ready)]
+        for w in order:
+            times, cpu, losses = w.call("steps", chunk)
+            w.times += times
+            w.cpu += cpu
+            w.losses += losses
+            w.rounds.append(times)
+    summaries: dict[Row, dict[str, Any]] = {}
+    for w in ready:
+        summaries[w.row] = w.call("close")
+        w.stop()
+    return ready, summaries, notes
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[Row, dict[str, Any]]) -> None:
+    """Print one table: per row, median step time, ratios to unhooked and to twinstep stats.
+
+    Wall time is what a user waits; process CPU time (training thread plus the
+    tool's background threads, not the server) barely moves when other jobs
+    share the cores, so on a busy machine its ratio is the steadier one.
+    """
+    by_row = {w.row: w for w in workers}
+    plain = by_row[UNHOOKED]
+    base = statistics.median(plain.times)
+    base_cpu = statistics.median(plain.cpu)
+    ours = statistics.median(by_row[TWINSTEP_STATS].times) if TWINSTEP_STATS in by_row else None
+    print(f"{'hidden':>6}  {'framework':<10}{'row':<18}{'median ms':>10}{'ratio':>8}{'rounds':>12}{'cpu ratio':>11}"
+          f"{'vs twinstep':>13}  notes")
+    for w in workers:
+        med = statistics.median(w.times)
+        per_round = [statistics.median(a) / statistics.median(b) for a, b in zip(w.rounds, plain.rounds)]
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+        vs = f"{med / ours:.2f}x" if ours else "-"
+        summary = summaries.get(w.row, {})
+        if "disk_bytes_per_step" in summary:
+            note = f"dump {fmt_bytes(summary['disk_bytes_per_step'])}/step"
+        elif "sent" in summary:
+            note = (f"sent {summary['sent']}, dropped {summary['dropped']}, "
+                    f"outbox drained {1000 * summary['drain_s_per_block']:.0f} ms after a block")
+        else:
+            note = ""
+        if w.losses and plain.losses and abs(w.losses[-1] - plain.losses[-1]) > 1e-4 * max(1.0, abs(plain.losses[-1])):
+            note += f"; loss differs from unhooked ({w.losses[-1]:.6f} vs {plain.losses[-1]:.6f})"
+        print(f"{hidden:>6}  {framework:<10}{w.row.label:<18}{1000 * med:>10.1f}{med / base:>7.3f}x{spread:>12}"
+              f"{statistics.median(w.cpu) / base_cpu:>10.3f}x{vs:>13}  {note}", flush=True)
+    if TWINSTEP_STATS in by_row and hidden in TARGETS:
+        ratio = statistics.median(by_row[TWINSTEP_STATS].times) / base
+        cpu_ratio = statistics.median(by_row[TWINSTEP_STATS].cpu) / base_cpu
+        print(f"        twinstep stats target at hidden {hidden}: <= {TARGETS[hidden]:.2f}x; "
+              f"measured {ratio:.3f}x wall, {cpu_ratio:.3f}x cpu")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=("torch", "paddle", "both"), default="both")
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256], help="one table per size, e.g. 256 1024")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--block", type=int, default=5)
-    parser.add_argument("--capture", choices=("stats", "tensors", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
+    parser.add_argument("--block", type=int, default=5, help="steps a row runs before the next row's turn")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
+    parser.add_argument("--tensors", action="store_true", help="add a twinstep tensors row")
+    parser.add_argument("--no-peer", action="store_true", help="skip the msprobe rows")
+    parser.add_argument("--control", action="store_true",
+                        help="add a second unhooked row: the noise floor between two processes")
     args = parser.parse_args()
-    cfg = spec.ModelConfig(vocab=512, hidden=args.hidden, heads=4, layers=args.layers, seq=args.seq, batch=args.batch)
+    if args.steps < 1 or args.block < 1 or args.warmup < 0:
+        parser.error("--steps and --block must be >= 1, --warmup >= 0")
+    peer = not args.no_peer and peer_installed()
+    frameworks = ("torch", "paddle") if args.framework == "both" else (args.framework,)
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "twinstep", "serve", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = tempfile.mkdtemp(prefix="twinstep-overhead-")
     try:
         time.sleep(1.5)
-        frameworks = ("torch", "paddle") if args.framework == "both" else (args.framework,)
-        captures = ("stats", "tensors") if args.capture == "both" else (args.capture,)
-        print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}; "
-              f"{args.steps} timed steps per side, median")
-        print(f"{'framework':<10}{'capture':<9}{'unhooked ms':>12}{'hooked ms':>11}{'ratio':>8}{'sent':>6}{'dropped':>9}")
-        for framework in frameworks:
-            for capture in captures:
-                r = measure(framework, cfg, f"127.0.0.1:{port}", capture, args.steps, args.block)
-                print(f"{framework:<10}{capture:<9}{r['plain_ms']:>12.1f}{r['hooked_ms']:>11.1f}{r['ratio']:>8.3f}"
-                      f"{r['sent']:>6}{r['dropped']:>9}", flush=True)
+        print(f"model: {args.layers} layers, seq {args.seq}, batch {args.batch}, CPU, 1 thread; {args.steps} timed "
+              f"steps per row after {args.warmup} warm-up, blocks of {args.block}, median step time")
+        if not args.no_peer and not peer and "torch" in frameworks:
+            print(f"msprobe rows skipped: {PEER_PACKAGE} is not installed; install it with: {PEER_INSTALL}")
+        for hidden in args.hidden:
+            cfg = spec.ModelConfig(vocab=512, hidden=hidden, heads=4, layers=args.layers, seq=args.seq,
+                                   batch=args.batch)
+            for framework in frameworks:
+                rows = rows_for(framework, args.tensors, peer, args.control)
+                workers, summaries, notes = measure(framework, cfg, rows, f"127.0.0.1:{port}", args.steps,
+                                                    args.block, args.warmup, tmp)
+                report(framework, hidden, workers, summaries)
+                for note in notes:
+                    print(f"        {note}")
     finally:
         server.terminate()
         server.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
