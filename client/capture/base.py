@@ -70,11 +70,15 @@ class CaptureBackend(ABC):
 
     @abstractmethod
     def device_stats(self, tensor: Tensor) -> Any:
-        """A device vector of the :data:`twinstep.stats.DEVICE_FIELDS` of ``tensor`` (hot)."""
+        """A handle to the :data:`twinstep.stats.DEVICE_FIELDS` of ``tensor`` (hot).
+
+        On an accelerator a device vector (no host sync); on the CPU it may be the
+        host values themselves.
+        """
 
     @abstractmethod
     def stats_to_host(self, handles: list[Any]) -> np.ndarray:
-        """Stack device statistics into one float64 array [n, 7] with one copy."""
+        """Stack statistics into one float64 array [n, len(DEVICE_FIELDS)], one copy per device."""
 
     @abstractmethod
     def host_copy(self, tensor: Tensor) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,10 +21,14 @@ from typing import Any, Callable
 import numpy as np
 
 from twinstep.capture.base import CaptureBackend, RemovableHandle
-from twinstep.codec import DTYPE_TO_WIRE
+from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
+from twinstep.stats import DEVICE_FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep")
+
+#: (weak reference, in-place version, record index) of a tensor recorded this step.
+_Seen = tuple[Any, Any, int]
 
 #: Upper bound on records in one step, so a missing ``step()`` call cannot grow memory without end.
 MAX_RECORDS_PER_STEP = 1_000_000
@@ -79,7 +84,7 @@ class StepBatch:
     ndim: np.ndarray
     dims: list[int]
     count: np.ndarray
-    device_stats: np.ndarray  # [n, 7] float64, twinstep.stats.DEVICE_FIELDS
+    device_stats: np.ndarray  # [n, len(DEVICE_FIELDS)] float64, twinstep.stats.DEVICE_FIELDS
     tensors: list[tuple[int, str, Any]] = field(default_factory=list)  # (record, dtype, host copy)
     storage_array: Callable[[Any], np.ndarray] | None = None
 
@@ -95,7 +100,10 @@ class StepBatch:
 class _StepBuffer:
     """Columns of the step being recorded."""
 
-    __slots__ = ("phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced")
+    __slots__ = (
+        "phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced",
+        "grads",
+    )
 
     def __init__(self) -> None:
         self.phase: list[int] = []
@@ -108,8 +116,11 @@ class _StepBuffer:
         self.tensors: list[tuple[int, str, Any]] = []
         self.calls: dict[int, int] = {}
         self.overflow = 0
-        # id(output tensor) -> (weak reference, record index): inputs that are outputs reuse their statistics.
-        self.produced: dict[int, tuple[Any, int]] = {}
+        # id(tensor) -> (weak reference, in-place version, record index) of the tensors recorded
+        # this step: a tensor recorded again (a container returns its last child's output, an
+        # input is another module's output, two hooks receive one gradient) reuses its statistics.
+        self.produced: dict[int, _Seen] = {}
+        self.grads: dict[int, _Seen] = {}
 
 
 class Recorder:
@@ -169,17 +180,14 @@ class Recorder:
             if first_input:
                 self._add_input(module_id, call, first_input[0])
         for slot, tensor in enumerate(self.backend.output_tensors(output)):
-            index = self._add(pb.FORWARD, module_id, call, slot, tensor)
-            if index is not None:
-                buffer.produced[id(tensor)] = (weakref.ref(tensor), index)
+            self._add(pb.FORWARD, module_id, call, slot, tensor, buffer.produced)
             if self.config.backward:
                 self.backend.add_grad_hook(tensor, self._grad_hook(module_id, call, slot, name))
 
     def _add_input(self, module_id: int, call: int, tensor: Any) -> None:
         buffer = self._buffer
-        known = buffer.produced.get(id(tensor))
-        if known is not None and known[0]() is tensor:
-            source = known[1]  # another module's output: same numbers, no new pass over the tensor
+        source = _recorded(buffer.produced, tensor)
+        if source is not None:  # another module's output: same numbers, no new pass over the tensor
             self._append(pb.INPUT, module_id, call, 0, buffer.dtype[source], buffer.shapes[source], buffer.stats[source])
             return
         dtype, shape = self.backend.describe(tensor)
@@ -190,22 +198,38 @@ class Recorder:
             if not self._active:
                 return
             try:
-                self._add(pb.BACKWARD, module_id, call, slot, grad)
+                self._add(pb.BACKWARD, module_id, call, slot, grad, self._buffer.grads)
             except Exception:
                 self._hook_failed(name)
 
         return hook
 
-    def _add(self, phase: int, target: int, call: int, slot: int, tensor: Any) -> int | None:
-        """Record a tensor; returns its record index (None when the step is full)."""
-        if len(self._buffer.phase) >= MAX_RECORDS_PER_STEP:
-            self._buffer.overflow += 1
+    def _add(
+        self, phase: int, target: int, call: int, slot: int, tensor: Any, seen: dict[int, _Seen] | None = None
+    ) -> int | None:
+        """Record a tensor; returns its record index (None when the step is full).
+
+        ``seen`` maps the tensors already recorded this step: one found there,
+        unchanged since, reuses its statistics instead of a new pass.
+        """
+        buffer = self._buffer
+        if len(buffer.phase) >= MAX_RECORDS_PER_STEP:
+            buffer.overflow += 1
             return None
         backend = self.backend
-        dtype, shape = backend.describe(tensor)
+        source = _recorded(seen, tensor) if seen else None
+        if source is None:
+            dtype, shape = backend.describe(tensor)
+            wire, stats = DTYPE_TO_WIRE[dtype], backend.device_stats(tensor)
+        else:
+            wire, shape, stats = buffer.dtype[source], buffer.shapes[source], buffer.stats[source]
+            dtype = WIRE_TO_DTYPE[wire]
         if self.config.capture == "tensors":
-            self._buffer.tensors.append((len(self._buffer.phase), dtype, backend.host_copy(tensor)))
-        return self._append(phase, target, call, slot, DTYPE_TO_WIRE[dtype], shape, backend.device_stats(tensor))
+            buffer.tensors.append((len(buffer.phase), dtype, backend.host_copy(tensor)))
+        index = self._append(phase, target, call, slot, wire, shape, stats)
+        if seen is not None and source is None and index is not None:
+            seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), index)
+        return index
 
     def _append(self, phase: int, target: int, call: int, slot: int, dtype: int, shape: tuple[int, ...], stats: Any) -> int | None:
         buffer = self._buffer
@@ -266,8 +290,10 @@ class Recorder:
             dtype=np.asarray(buffer.dtype, dtype=np.int32)[order],
             ndim=np.asarray([len(s) for s in shapes], dtype=np.uint32),
             dims=[d for s in shapes for d in s],
-            count=np.asarray([int(np.prod(s)) for s in shapes], dtype=np.int64),
-            device_stats=backend.stats_to_host(buffer.stats)[order] if buffer.stats else np.zeros((0, 7)),
+            count=np.asarray([math.prod(s) for s in shapes], dtype=np.int64),
+            device_stats=(
+                backend.stats_to_host(buffer.stats)[order] if buffer.stats else np.zeros((0, len(DEVICE_FIELDS)))
+            ),
             tensors=[(int(position[i]), dtype, copy) for i, dtype, copy in buffer.tensors],
             storage_array=backend.storage_array,
         )
@@ -281,3 +307,17 @@ class Recorder:
             handle.remove()
         self._handles.clear()
         self._active = False
+
+
+def _version(tensor: Any) -> Any:
+    """The tensor's in-place version counter (torch ``_version``, paddle ``inplace_version``)."""
+    version = getattr(tensor, "_version", None)
+    return version if version is not None else getattr(tensor, "inplace_version", None)
+
+
+def _recorded(seen: dict[int, _Seen], tensor: Any) -> int | None:
+    """Record index of ``tensor`` if recorded this step and not modified in place since."""
+    known = seen.get(id(tensor))
+    if known is not None and known[0]() is tensor and known[1] == _version(tensor):
+        return known[2]
+    return None

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from twinstep import codec
 from twinstep.capture.recorder import StepBatch
+from twinstep.stats import DEVICE_FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
+
+_COLUMN = {name: i for i, name in enumerate(DEVICE_FIELDS)}
+_COUNTS = ("nan_count", "inf_count")
 
 
 def step_message(batch: StepBatch, rank: int, dropped: dict[str, int]) -> pb.ClientMessage:
+    """The StepRecords of one batch; statistics columns absent from the batch (m2 of an older backend) are not sent."""
     stats = batch.device_stats
+    columns = {
+        name: (stats[:, i].astype("int64") if name in _COUNTS else stats[:, i]).tolist()
+        for name, i in _COLUMN.items()
+        if i < stats.shape[1]
+    }
     message = pb.StepRecords(
         rank=rank,
         step=batch.step,
@@ -19,16 +29,7 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int]) -> pb.Cli
         dtype=batch.dtype.tolist(),
         ndim=batch.ndim.tolist(),
         dims=batch.dims,
-        stats=pb.Statistics(
-            count=batch.count.tolist(),
-            sum=stats[:, 0].tolist(),
-            sum_sq=stats[:, 1].tolist(),
-            min=stats[:, 2].tolist(),
-            max=stats[:, 3].tolist(),
-            abs_max=stats[:, 4].tolist(),
-            nan_count=stats[:, 5].astype("int64").tolist(),
-            inf_count=stats[:, 6].astype("int64").tolist(),
-        ),
+        stats=pb.Statistics(count=batch.count.tolist(), **columns),
         dropped=dropped,
     )
     for record, _dtype, copy in batch.tensors:

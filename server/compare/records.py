@@ -146,6 +146,7 @@ def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
         table[name] = np.asarray(getattr(message.stats, name), dtype=np.float64)
     table["nan_count"] = np.asarray(message.stats.nan_count, dtype=np.int64)
     table["inf_count"] = np.asarray(message.stats.inf_count, dtype=np.int64)
+    table["m2"] = _m2_column(message, table, n)
 
     payloads: dict[int, pb.TensorPayload] = {}
     for payload in message.tensors:
@@ -166,3 +167,22 @@ def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
         payloads=payloads,
         nbytes=message.ByteSize(),
     )
+
+
+def _m2_column(message: pb.StepRecords, table: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """Sent m2 (one per record, finite or +Inf, non-negative), or derived from the sums when absent."""
+    m2 = message.stats.m2
+    if len(m2) == 0:
+        return stats.m2_of_sums(table)  # a client that predates m2: cancellation-prone, the best there is
+    if len(m2) != n:
+        raise invalid(
+            f"step {message.step}: column stats.m2 has {len(m2)} entries, phase has {n} (send one per record or none)"
+        )
+    values = np.asarray(m2, dtype=np.float64)
+    bad = np.flatnonzero(np.isnan(values) | (values < 0))
+    if bad.size:
+        i = int(bad[0])
+        raise invalid(
+            f"step {message.step}: record {i} has stats.m2 {float(values[i])}; a sum of squared deviations is >= 0"
+        )
+    return values

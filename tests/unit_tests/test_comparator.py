@@ -74,7 +74,7 @@ def build(records: list[Rec], step: int = 3, rank: int = 0) -> tuple[pb.StepReco
         msg.dims.extend(r.value.shape)
         t = stats.of_array(r.value)
         msg.stats.count.append(int(t["count"][0]))
-        for name in ("sum", "sum_sq", "min", "max", "abs_max"):
+        for name in ("sum", "sum_sq", "min", "max", "abs_max", "m2"):
             getattr(msg.stats, name).append(float(t[name][0]))
         msg.stats.nan_count.append(int(t["nan_count"][0]))
         msg.stats.inf_count.append(int(t["inf_count"][0]))

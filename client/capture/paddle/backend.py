@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import paddle
 
+from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle
 
 _DTYPE_NAMES = {
@@ -24,8 +26,18 @@ _DTYPE_NAMES = {
 }
 
 
+_NFIELDS = len(stats.DEVICE_FIELDS)
+_ZERO_ROW = (0.0,) * _NFIELDS
+#: From this many elements paddle.sum beats numpy's pairwise sum per byte; below, its fixed cost loses.
+_PADDLE_SUM_MIN = 1 << 15
+# dtype objects -> neutral names; str(dtype) costs microseconds on the hot path.
+_DTYPE_OBJECTS = {getattr(paddle, name): name for name in _DTYPE_NAMES if hasattr(paddle, name)}
+
+
 def _dtype_name(tensor: paddle.Tensor) -> str | None:
-    return _DTYPE_NAMES.get(str(tensor.dtype).rsplit(".", 1)[-1])
+    dtype = tensor.dtype
+    name = _DTYPE_OBJECTS.get(dtype)
+    return name if name is not None else _DTYPE_NAMES.get(str(dtype).rsplit(".", 1)[-1])
 
 
 class PaddleBackend(CaptureBackend):
@@ -74,43 +86,34 @@ class PaddleBackend(CaptureBackend):
     def describe(self, tensor: paddle.Tensor) -> tuple[str, tuple[int, ...]]:
         return _dtype_name(tensor) or "float32", tuple(tensor.shape)
 
-    def device_stats(self, tensor: paddle.Tensor) -> paddle.Tensor:
-        with paddle.no_grad():
-            x = tensor.detach()
-            if x.size == 0:
-                return paddle.zeros([7], dtype="float64")
-            name = _dtype_name(x)
-            if name in ("float16", "bfloat16"):
-                x = x.astype("float32")
-            elif name not in ("float32", "float64"):
-                x = x.astype("float64")
-            flat = x.reshape([-1])
-            # Paddle's float32 reductions are accurate to ~1e-8 relative at 16M
-            # elements; dtype="float64" would convert the tensor first (20x slower).
-            total = paddle.sum(flat).astype("float64")
-            sum_sq = paddle.sum(flat * flat).astype("float64")
-            lo = paddle.min(flat).astype("float64")
-            hi = paddle.max(flat).astype("float64")
-            if not flat.place.is_cpu_place():
-                nan = paddle.isnan(flat).astype("float64").sum()
-                inf = paddle.isinf(flat).astype("float64").sum()
-            elif bool(paddle.isfinite(total)):
-                nan = inf = paddle.zeros([], dtype="float64")
-                if not bool(paddle.isfinite(sum_sq)):  # squares beyond float32's range
-                    wide = flat.astype("float64")
-                    sum_sq = paddle.sum(wide * wide)
-            else:
-                # Rare path: moments and extrema over the finite elements only.
-                nan = paddle.isnan(flat).astype("float64").sum()
-                inf = paddle.isinf(flat).astype("float64").sum()
-                total, sum_sq, lo, hi = _finite_moments(paddle.masked_select(flat, paddle.isfinite(flat)))
-            abs_max = paddle.maximum(-lo, hi)
-            return paddle.stack([total, sum_sq, lo, hi, abs_max, nan, inf])
+    def device_stats(self, tensor: paddle.Tensor) -> tuple[float, ...] | paddle.Tensor:
+        x = tensor.detach()  # detached: nothing below records autograd history
+        if 0 in x.shape:
+            return _ZERO_ROW
+        name = _dtype_name(x)
+        if name in ("float16", "bfloat16"):
+            x = x.astype("float32")  # float16 squares overflow; numpy has no bfloat16
+        elif name not in ("float32", "float64"):
+            x = x.astype("float64")  # integers and bool: exact in float64
+        if x.place.is_cpu_place():
+            return _host_row(x)
+        return _device_row(x)
 
-    def stats_to_host(self, handles: list[paddle.Tensor]) -> np.ndarray:
-        if not handles:
-            return np.zeros((0, 7), dtype=np.float64)
-        return paddle.stack(handles).numpy().astype(np.float64, copy=False)
+    def stats_to_host(self, handles: list[tuple[float, ...] | paddle.Tensor]) -> np.ndarray:
+        on_device = [i for i, handle in enumerate(handles) if isinstance(handle, paddle.Tensor)]
+        if not on_device:  # CPU training: every row is already on the host
+            return np.array(handles, dtype=np.float64).reshape(len(handles), _NFIELDS)
+        rows = np.zeros((len(handles), _NFIELDS), dtype=np.float64)
+        by_place: dict[str, list[int]] = {}
+        for i, handle in enumerate(handles):
+            if isinstance(handle, paddle.Tensor):
+                by_place.setdefault(str(handle.place), []).append(i)
+            else:
+                rows[i] = handle
+        for indices in by_place.values():
+            # One device-to-host copy per device and step, whatever the number of records.
+            rows[indices] = paddle.stack([handles[i] for i in indices]).numpy()
+        return rows
 
     def host_copy(self, tensor: paddle.Tensor) -> np.ndarray:
         # .numpy() is one device-to-host copy; bfloat16 arrives as its uint16 bits.
@@ -158,9 +161,49 @@ def _collect(value: Any, found: list[paddle.Tensor]) -> None:
         _collect(value.to_tuple(), found)
 
 
-def _finite_moments(finite: paddle.Tensor) -> tuple[paddle.Tensor, ...]:
-    if finite.size == 0:
-        zero = paddle.zeros([], dtype="float64")
-        return zero, zero, zero, zero
-    wide = finite.astype("float64")  # rare path: precision over speed
-    return paddle.sum(wide), paddle.sum(wide * wide), paddle.min(wide), paddle.max(wide)
+# -- statistics ----------------------------------------------------------------
+#
+# CPU tensors: twinstep.stats.host_row on a zero-copy DLPack view (each paddle
+# op costs 5-15 us of dispatch, and paddle has no single-pass min/max or
+# drift-free sum of squares: paddle.dot and paddle.linalg.norm are slow,
+# x*x writes a full-size temporary, paddle.var cancels), with paddle.sum for
+# large tensors, where it is twice as fast as numpy's.  Figures:
+# benchmarks/stats_kernels.py.
+#
+# Other places: paddle ops only, no host synchronisation (_device_row).
+
+
+def _host_row(x: paddle.Tensor) -> tuple[float, ...]:
+    view = np.from_dlpack(x)  # shares x's memory; strided tensors give strided views
+    if view.size < _PADDLE_SUM_MIN:
+        return stats.host_row(view)
+    return stats.host_row(view, lambda: float(paddle.sum(x).item()))
+
+
+def _device_row(x: paddle.Tensor) -> paddle.Tensor:
+    """Statistics as a float64 device vector, with no host synchronisation.
+
+    As in the torch backend: non-finite elements are replaced by the finite
+    mean (which moves neither the extrema nor the deviations) and m2 always
+    comes from the shifted pass.  Reductions accumulate in the tensor's dtype,
+    so finite float32 values whose sum or squares pass 3e38 give an Inf row.
+    """
+    finite = paddle.isfinite(x)
+    n_finite = finite.astype("float64").sum()
+    nan = paddle.isnan(x).astype("float64").sum()
+    inf = float(math.prod(x.shape)) - n_finite - nan
+    count = paddle.clip(n_finite, min=1.0)
+    zero = paddle.zeros([], dtype=x.dtype)
+    shift = paddle.where(finite, x, zero).sum() / count.astype(x.dtype)
+    y = paddle.where(finite, x, shift)
+    del finite
+    lo = paddle.min(y).astype("float64")
+    hi = paddle.max(y).astype("float64")
+    y.subtract_(shift)  # in place: one temporary of the tensor's size in all
+    dsum = y.sum().astype("float64")
+    dsum_sq = y.multiply_(y).sum().astype("float64")
+    del y
+    m2 = paddle.clip(dsum_sq - dsum * dsum / count, min=0.0)
+    total = shift.astype("float64") * n_finite + dsum
+    sum_sq = m2 + total * total / count
+    return paddle.stack([total, sum_sq, lo, hi, paddle.maximum(-lo, hi), nan, inf, m2])

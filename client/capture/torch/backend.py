@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
+from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle
 
 _DTYPE_NAMES = {
@@ -23,6 +27,12 @@ _DTYPE_NAMES = {
     torch.bool: "bool",
 }
 _WIDEN = (torch.float16, torch.bfloat16)
+logger = logging.getLogger("twinstep")
+_NFIELDS = len(stats.DEVICE_FIELDS)
+_ZERO_ROW = (0.0,) * _NFIELDS
+#: From this many elements torch's sum and aminmax beat numpy's per byte (sum by 2x,
+#: aminmax by ~15%: one pass for both); below, their dispatch cost loses.
+_TORCH_REDUCE_MIN = 1 << 15
 
 
 class TorchBackend(CaptureBackend):
@@ -73,49 +83,35 @@ class TorchBackend(CaptureBackend):
     def describe(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
         return _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape)
 
-    def device_stats(self, tensor: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            x = tensor.detach()
-            if x.numel() == 0:
-                return torch.zeros(7, dtype=torch.float64, device=x.device)
-            if not x.is_floating_point():
-                x = x.to(torch.float64)
-            elif x.dtype in _WIDEN:
-                x = x.float()
-            flat = x.reshape(-1)
-            # torch reduces float32 by cascade summation: ~1e-7 relative error even
-            # at 16M elements, at a tenth of the cost of a float64 sum (which
-            # converts the tensor first).  torch.dot/vector_norm are faster but
-            # drift by 1e-4..1e-3 at that size: never use them here.
-            total = flat.sum().to(torch.float64)
-            sum_sq = (flat * flat).sum().to(torch.float64)
-            lo, hi = torch.aminmax(flat)
-            lo = lo.to(torch.float64)
-            hi = hi.to(torch.float64)
-            abs_max = torch.maximum(-lo, hi)
-            if flat.is_cuda:
-                # Counting on the device avoids a host sync per tensor.
-                nan = torch.isnan(flat).sum().to(torch.float64)
-                inf = torch.isinf(flat).sum().to(torch.float64)
-            elif bool(torch.isfinite(total)):
-                # A finite sum proves there is no NaN/Inf: skip two full passes.
-                nan = inf = torch.zeros((), dtype=torch.float64)
-                if not bool(torch.isfinite(sum_sq)):  # squares beyond float32's range
-                    wide = flat.to(torch.float64)
-                    sum_sq = (wide * wide).sum()
-            else:
-                # Rare path: moments and extrema cover the finite elements only,
-                # the counts cover the rest (see twinstep.stats).
-                nan = torch.isnan(flat).sum().to(torch.float64)
-                inf = torch.isinf(flat).sum().to(torch.float64)
-                total, sum_sq, lo, hi = _finite_moments(flat[torch.isfinite(flat)])
-                abs_max = torch.maximum(-lo, hi)
-            return torch.stack([total, sum_sq, lo, hi, abs_max, nan, inf])
+    def device_stats(self, tensor: torch.Tensor) -> tuple[float, ...] | torch.Tensor:
+        x = tensor.detach()  # detached: nothing below records autograd history
+        if x.numel() == 0:
+            return _ZERO_ROW
+        if x.layout is not torch.strided:
+            x = x.to_dense()  # sparse gradients (rare): statistics count the implicit zeros
+        if not x.is_floating_point():
+            x = x.to(torch.float64)  # integers and bool: exact in float64
+        elif x.dtype in _WIDEN:
+            x = x.float()  # float16 squares overflow; numpy has no bfloat16
+        if x.is_cpu:
+            return _host_row(x)
+        return _device_row(x)
 
-    def stats_to_host(self, handles: list[torch.Tensor]) -> np.ndarray:
-        if not handles:
-            return np.zeros((0, 7), dtype=np.float64)
-        return torch.stack(handles).cpu().numpy()
+    def stats_to_host(self, handles: list[tuple[float, ...] | torch.Tensor]) -> np.ndarray:
+        lazy = [i for i, handle in enumerate(handles) if isinstance(handle, torch.Tensor)]
+        if not lazy:  # CPU training: every row is already on the host
+            return np.array(handles, dtype=np.float64).reshape(len(handles), _NFIELDS)
+        rows = np.zeros((len(handles), _NFIELDS), dtype=np.float64)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, handle in enumerate(handles):
+            if isinstance(handle, torch.Tensor):
+                by_device.setdefault(handle.device, []).append(i)
+            else:
+                rows[i] = handle
+        for indices in by_device.values():
+            # One device-to-host copy per device and step, whatever the number of records.
+            rows[indices] = torch.stack([handles[i] for i in indices]).cpu().numpy()
+        return rows
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -165,10 +161,189 @@ def _collect(value: Any, found: list[torch.Tensor]) -> None:
         _collect(value.to_tuple(), found)
 
 
-def _finite_moments(finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    if finite.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float64)
-        return zero, zero, zero, zero
-    wide = finite.to(torch.float64)  # rare path: precision over speed
-    lo, hi = torch.aminmax(wide)
-    return wide.sum(), (wide * wide).sum(), lo, hi
+# -- statistics ----------------------------------------------------------------
+#
+# CPU tensors: twinstep.stats.host_row on a zero-copy numpy view (row-wise
+# sums of squares, and everything for small tensors: each torch op costs ~3 us
+# of dispatch, numpy's less), with torch's cascade sum and aminmax for large
+# tensors, where they beat numpy's.  From 512K float32 elements, once
+# compiled, one torch.compile'd pass over rows of 1024 replaces those three
+# (_FusedKernel): fewer reads matter most for tensors no longer in cache.
+# torch.var_mean (Welford) is stable but ~10x a memcpy on CPU, and a
+# compiled reduction over the flat tensor ran slower than the eager passes.
+# Figures: benchmarks/stats_kernels.py.
+#
+# Other devices: everything stays on the device (_device_row); stats_to_host
+# copies all records of a step at once.
+
+
+def _host_row(x: torch.Tensor) -> tuple[float, ...]:
+    n = x.numel()
+    if n < _TORCH_REDUCE_MIN:
+        return stats.host_row(_view(x))
+    x = _in_memory_order(x)
+    if n >= _FUSED_MIN and n % _FUSED_ROW == 0 and x.dtype == torch.float32 and x.is_contiguous():
+        reductions = _FUSED.run(x)
+        if reductions is not None:
+            return stats.finish_row(_view(x), *reductions, unit=_FUSED_UNIT)
+        start = time.perf_counter()
+        row = stats.host_row(_view(x), lambda: float(x.sum()), lambda: _extrema(x))
+        _FUSED.spent(time.perf_counter() - start)
+        return row
+    return stats.host_row(_view(x), lambda: float(x.sum()), lambda: _extrema(x))
+
+
+def _fused_reductions(rows: torch.Tensor) -> torch.Tensor:
+    """sum, sum of squares, min, max of float32 rows in one pass: row results in float32, their sums in float64.
+
+    Accumulating in float64 throughout is ~25% slower (half the vector lanes) for
+    errors that float32 rows of 1024 already keep near 1e-9.
+    """
+    return torch.stack([
+        rows.sum(1).double().sum(),
+        (rows * rows).sum(1).double().sum(),
+        rows.amin(1).amin().double(),
+        rows.amax(1).amax().double(),
+    ])
+
+
+class _FusedKernel:
+    """:func:`_fused_reductions` compiled by torch.compile (inductor, C++) on a background thread.
+
+    Large float32 tensors are read once instead of three times, which matters
+    most for tensors that no longer sit in cache (weights, their gradients).
+    Compiling costs seconds of CPU (half a minute on a machine without
+    inductor's disk cache) and saves a fraction of the eager time, so it
+    starts only once large tensors have cost the eager path
+    :data:`_COMPILE_AFTER_S` -- a long run at a size where it pays -- and the
+    eager path serves until it is done; if it fails (no C++ compiler, an old
+    torch), the eager path serves for good.  The compiled code runs in
+    dynamo's run-only mode: a call whose global state (autocast, inference
+    mode) would need a new compile runs the Python function instead, so
+    such calls are sent to the eager path first.  TWINSTEP_STATS_COMPILE=0
+    turns it off.
+    """
+
+    def __init__(self) -> None:
+        self._run: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._eager_seconds = 0.0
+        # Turned off counts as already started: run() never starts a compile then.
+        self._started = os.environ.get("TWINSTEP_STATS_COMPILE", "1").strip().lower() in ("0", "false", "no", "off")
+        self._lock = threading.Lock()
+
+    def run(self, x: torch.Tensor) -> tuple[float, float, float, float] | None:
+        """(sum, sum_sq, min, max) of a contiguous float32 CPU tensor, or None while not compiled."""
+        run = self._run
+        if run is None:
+            return None
+        if x.is_inference() or torch.is_autocast_enabled("cpu") or torch.is_inference_mode_enabled():
+            return None
+        with torch.no_grad():
+            total, sum_sq, lo, hi = run(x.view(-1, _FUSED_ROW)).tolist()
+        return total, sum_sq, lo, hi
+
+    def spent(self, seconds: float) -> None:
+        """Eager time on a tensor the kernel would have served; starts compiling when it adds up."""
+        self._eager_seconds += seconds
+        if self._eager_seconds >= _COMPILE_AFTER_S and not self._started:
+            self._start()
+
+    def compile_now(self) -> bool:
+        """Compile on the calling thread (tests, benchmarks); True when the kernel is ready."""
+        with self._lock:
+            self._started = True
+        self._compile()
+        return self._run is not None
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._compile, name="twinstep-stats-compile", daemon=True).start()
+
+    def _compile(self) -> None:
+        try:
+            compiled = torch.compile(_fused_reductions, dynamic=True)
+            with torch.no_grad():
+                sample = torch.linspace(-3.0, 5.0, 8 * _FUSED_ROW).view(8, _FUSED_ROW)
+                for rows in (sample[:4], sample):  # two row counts: the row count stays symbolic
+                    got = compiled(rows).tolist()
+                wide = sample.double()
+                expected = [wide.sum().item(), (wide * wide).sum().item(), -3.0, 5.0]
+                if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(got, expected)):
+                    raise RuntimeError(f"compiled statistics {got} differ from {expected}")
+            self._run = torch._dynamo.run(compiled)
+        except Exception:  # no compiler, unsupported platform: the eager path stays
+            logger.info("twinstep: compiled statistics unavailable; eager statistics serve", exc_info=True)
+
+
+#: Fused kernel rows, and the smallest tensor for which one compiled call (~60 us
+#: of guards and dispatch) beats three eager passes.
+_FUSED_ROW = 1024
+_FUSED_MIN = 1 << 19
+#: Eager statistics time on large float32 tensors after which compiling pays.
+_COMPILE_AFTER_S = 10.0
+#: Relative error bound of the fused sums: the eager path's float32 bound.
+_FUSED_UNIT = stats.unit_roundoff(4)
+_FUSED = _FusedKernel()
+
+
+def _in_memory_order(x: torch.Tensor) -> torch.Tensor:
+    """A permuted dense tensor (a transposed gradient) as the contiguous view of its memory.
+
+    Statistics ignore the order of the elements; contiguous data takes the fast kernels.
+    """
+    if x.is_contiguous():
+        return x
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    permuted = x.permute(order)
+    return permuted if permuted.is_contiguous() else x
+
+
+def _extrema(x: torch.Tensor) -> tuple[float, float]:
+    lo, hi = torch.aminmax(x)
+    return float(lo), float(hi)
+
+
+def _view(x: torch.Tensor) -> np.ndarray:
+    try:
+        return x.numpy()  # shares memory, strides included
+    except RuntimeError:  # a lazy negation or conjugation bit: materialise it (rare)
+        return x.resolve_neg().resolve_conj().numpy()
+
+
+def _device_row(x: torch.Tensor) -> torch.Tensor:
+    """Statistics as a float64 device vector, with no host synchronisation.
+
+    Same definitions as the CPU path without its branches: non-finite
+    elements are replaced by the finite mean, which moves neither the extrema
+    nor the deviations, and m2 always comes from the shifted pass.  One
+    temporary of the tensor's size (float32 for narrower floats) plus a bool
+    mask; reductions accumulate in the tensor's dtype, so finite float32 values
+    whose sum or squares pass 3e38 give an Inf row there.
+    """
+    if not x.is_floating_point():
+        x = x.to(torch.float64)
+    elif x.dtype in _WIDEN:
+        x = x.float()
+    finite = torch.isfinite(x)
+    n_finite = finite.sum()
+    nan = torch.isnan(x).sum()
+    inf = x.numel() - n_finite - nan
+    count = n_finite.clamp(min=1)
+    y = torch.where(finite, x, 0)
+    shift = y.sum() / count
+    torch.where(finite, x, shift, out=y)
+    del finite
+    lo, hi = torch.aminmax(y)
+    y.sub_(shift)
+    dsum = y.sum().double()
+    dsum_sq = y.square_().sum().double()  # in place: vector_norm would drift on some devices
+    del y
+    count = count.double()
+    m2 = (dsum_sq - dsum * dsum / count).clamp(min=0)
+    total = shift.double() * n_finite + dsum
+    sum_sq = m2 + total * total / count
+    lo, hi = lo.double(), hi.double()
+    return torch.stack([total, sum_sq, lo, hi, torch.maximum(-lo, hi), nan.double(), inf.double(), m2])
