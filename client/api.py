@@ -219,6 +219,7 @@ def attach(
     max_queue_bytes: int = 1 << 30,
     backward: bool = True,
     precision: str = "auto",
+    sketch: bool = False,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -230,7 +231,9 @@ def attach(
             precision) that measures its own noise: candidates are then judged
             against multiples of each record's noise band.
         server: ``host:port``; defaults to ``$TWINSTEP_SERVER``.
-        capture: "stats" (per-tensor statistics) or "tensors" (plus lossless full tensors).
+        capture: "stats" (per-tensor statistics), "tensors" (plus lossless full
+            tensors) or "lossy" (plus full tensors quantised within the error the
+            server's tolerances allow: no verdict changes, fewer bytes).
         include, exclude: glob patterns over module names selecting what is hooked.
         every: capture every N-th step.
         rank, world_size: default to torchrun's RANK/WORLD_SIZE or
@@ -244,6 +247,8 @@ def attach(
         precision: arithmetic of this run's float32 matrix products, "fp32" or
             "tf32"; "auto" asks the framework (TF32 on GPUs unless disabled).
             Float32 records of a tf32 run are judged with looser tf32 tolerances.
+        sketch: also send a count-sketch of every floating tensor (1 KiB each), from
+            which the server estimates rel_l2 and cosine of whole tensors.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -267,7 +272,8 @@ def attach(
         precision=precision,
         server=target,
         capture=CaptureConfig(
-            capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward
+            capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward,
+            sketch=sketch,
         ),
         rank=resolved_rank,
         world_size=resolved_world,

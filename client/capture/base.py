@@ -100,6 +100,10 @@ class CaptureBackend(ABC):
     def from_numpy(self, array: np.ndarray, like: Tensor) -> Tensor:
         """A tensor of ``like``'s dtype and device holding ``array``."""
 
+    @abstractmethod
+    def make_sketcher(self, spec: Any) -> Any:
+        """A device sketcher (twinstep.capture.<framework>.sketch) for :class:`twinstep.sketch.SketchSpec` ``spec``."""
+
     def float32_matmul_precision(self) -> str:
         """"tf32" when float32 matrix products run on TF32 tensor cores, else "fp32"."""
         return "fp32"

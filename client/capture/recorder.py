@@ -22,13 +22,21 @@ import numpy as np
 
 from twinstep.capture.base import CaptureBackend, RemovableHandle
 from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
+from twinstep.layouts import is_in_out
+from twinstep.sketch import SketchSpec
 from twinstep.stats import DEVICE_FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep")
 
+#: Dtypes that are sketched (integer and boolean tensors compare exactly by their statistics).
+_FLOATS = frozenset({"float32", "float16", "bfloat16", "float64"})
+
 #: (weak reference, in-place version, record index) of a tensor recorded this step.
 _Seen = tuple[Any, Any, int]
+
+#: What a run may capture: statistics, plus full tensors sent losslessly or within the server's error budget.
+CAPTURE_MODES = ("stats", "tensors", "lossy")
 
 #: Upper bound on records in one step, so a missing ``step()`` call cannot grow memory without end.
 MAX_RECORDS_PER_STEP = 1_000_000
@@ -39,7 +47,9 @@ class CaptureConfig:
     """What to capture."""
 
     capture: str = "stats"
-    """"stats": statistics only; "tensors": statistics plus full tensors (lossless)."""
+    """"stats": statistics only; "tensors": statistics plus full tensors (lossless);
+    "lossy": statistics plus full tensors quantised within the error budget the server
+    derives from its tolerances (no verdict changes; see twinstep.codec)."""
     include: tuple[str, ...] = ("*",)
     """Glob patterns over module names ("" is the whole model); a module must match one."""
     exclude: tuple[str, ...] = ()
@@ -50,14 +60,19 @@ class CaptureConfig:
     """Record gradients with respect to module outputs."""
     parameters: bool = True
     """Record parameter gradients and parameters after the update."""
+    sketch: bool = False
+    """Record a count-sketch of every floating tensor larger than the sketch
+    (twinstep.sketch): the server then estimates rel_l2 and cosine of whole tensors,
+    which no statistic shows (rows swapped, a sign flipped in one place), at a
+    fraction of tensor mode's cost."""
     inputs: bool = True
     """Record each module's first input, so the server can tell a module that creates an
     error from one that inherits it.  Nearly free: an input that another hooked module
     produced reuses that module's statistics."""
 
     def __post_init__(self) -> None:
-        if self.capture not in ("stats", "tensors"):
-            raise ValueError(f"capture must be 'stats' or 'tensors', got {self.capture!r}")
+        if self.capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURE_MODES))}, got {self.capture!r}")
         if isinstance(self.include, str) or isinstance(self.exclude, str):
             raise ValueError("include and exclude take a sequence of glob patterns, not a string")
         self.include = tuple(self.include)
@@ -87,11 +102,24 @@ class StepBatch:
     device_stats: np.ndarray  # [n, len(DEVICE_FIELDS)] float64, twinstep.stats.DEVICE_FIELDS
     tensors: list[tuple[int, str, Any]] = field(default_factory=list)  # (record, dtype, host copy)
     storage_array: Callable[[Any], np.ndarray] | None = None
+    sketch_records: np.ndarray | None = None
+    """Ascending record indices that carry a sketch (None: no sketches)."""
+    sketches: np.ndarray | None = None
+    """[len(sketch_records), buckets] float32."""
+    sketch_spec: tuple[int, int] = (0, 0)
+    """(buckets, seed) of the sketches."""
+
+    def dims_of(self, record: int) -> tuple[int, ...]:
+        """The shape of one record (dims are stored flat, ndim[i] at a time)."""
+        start = int(self.ndim[:record].sum())
+        return tuple(self.dims[start : start + int(self.ndim[record])])
 
     @property
     def nbytes(self) -> int:
         """Approximate memory held, for bounding the send queue."""
         size = self.device_stats.nbytes + 64 * len(self.phase)
+        if self.sketches is not None:
+            size += self.sketches.nbytes
         for _, _, copy in self.tensors:
             size += int(getattr(copy, "nbytes", 0) or copy.numel() * copy.element_size())
         return size
@@ -102,7 +130,7 @@ class _StepBuffer:
 
     __slots__ = (
         "phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced",
-        "grads",
+        "grads", "sketches",
     )
 
     def __init__(self) -> None:
@@ -121,6 +149,8 @@ class _StepBuffer:
         # input is another module's output, two hooks receive one gradient) reuses its statistics.
         self.produced: dict[int, _Seen] = {}
         self.grads: dict[int, _Seen] = {}
+        # record index -> device sketch handle
+        self.sketches: dict[int, Any] = {}
 
 
 class Recorder:
@@ -137,6 +167,9 @@ class Recorder:
         self._hook_failures = 0
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
+        self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
+        # Parameters stored as the transpose of the canonical layout: sketched by the canonical index.
+        self._transposed: set[int] = set()
         for name, module in backend.named_modules(model):
             if config.selects(name):
                 self._handles.append(backend.add_output_hook(module, self._output_hook(name, type(module).__name__)))
@@ -145,6 +178,8 @@ class Recorder:
                 if not config.selects(owner):
                     continue
                 pid = len(self.parameters)
+                if is_in_out(backend.framework, owner_type, name):
+                    self._transposed.add(pid)
                 dtype, shape = backend.describe(param)
                 self.parameters.append((pid, name, param))
                 self.parameter_infos.append(
@@ -224,11 +259,20 @@ class Recorder:
         else:
             wire, shape, stats = buffer.dtype[source], buffer.shapes[source], buffer.stats[source]
             dtype = WIRE_TO_DTYPE[wire]
-        if self.config.capture == "tensors":
+        if self.config.capture != "stats":
             buffer.tensors.append((len(buffer.phase), dtype, backend.host_copy(tensor)))
         index = self._append(phase, target, call, slot, wire, shape, stats)
-        if seen is not None and source is None and index is not None:
+        if index is None:
+            return None
+        if seen is not None and source is None:
             seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), index)
+        sketcher = self._sketcher
+        if sketcher is not None and dtype in _FLOATS:
+            if source is not None and source in buffer.sketches:
+                buffer.sketches[index] = buffer.sketches[source]
+            elif math.prod(shape) > sketcher.spec.buckets:
+                transpose = phase in (pb.GRAD, pb.PARAM) and target in self._transposed
+                buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose)
         return index
 
     def _append(self, phase: int, target: int, call: int, slot: int, dtype: int, shape: tuple[int, ...], stats: Any) -> int | None:
@@ -296,7 +340,20 @@ class Recorder:
             ),
             tensors=[(int(position[i]), dtype, copy) for i, dtype, copy in buffer.tensors],
             storage_array=backend.storage_array,
+            **self._sketch_columns(buffer, position),
         )
+
+    def _sketch_columns(self, buffer: _StepBuffer, position: np.ndarray) -> dict[str, Any]:
+        """The step's sketches in one copy per device, rows in the order records go out."""
+        if self._sketcher is None or not buffer.sketches:
+            return {}
+        records = np.fromiter(buffer.sketches, dtype=np.int64, count=len(buffer.sketches))
+        rows = self._sketcher.to_host(list(buffer.sketches.values())).astype(np.float32)
+        out = position[records]
+        order = np.argsort(out)
+        spec = self._sketcher.spec
+        return {"sketch_records": out[order].astype(np.uint32), "sketches": rows[order],
+                "sketch_spec": (spec.buckets, spec.seed)}
 
     def discard_step(self) -> None:
         self._buffer = _StepBuffer()

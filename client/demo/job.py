@@ -134,7 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
     p.add_argument("--bug", choices=("none", "gelu_tanh", "lr"), default="none",
                    help="inject a divergence: tanh GELU in layers.1.mlp.act, or lr 1.1e-3")
-    p.add_argument("--capture", choices=("stats", "tensors"), default="stats")
+    p.add_argument("--capture", choices=("stats", "tensors", "lossy"), default="stats")
+    p.add_argument("--sketch", action="store_true", help="also send a count-sketch of every floating tensor")
     p.add_argument("--no-monitor", action="store_true", help="train without twinstep")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="sleep per step (simulate a slow job)")
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
         mon = twinstep.attach(
             trainer.inner, session=args.session, run=run, baseline=args.baseline, reference=args.reference,
-            server=args.server, capture=args.capture, lockstep=args.lockstep,
+            server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep,
         )
         halted_type = twinstep.Halted
 

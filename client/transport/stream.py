@@ -111,6 +111,8 @@ class StreamClient:
         self._manifest_sent = (0, 0)
         self._credit = -1  # highest step we may send; -1 until the server welcomes us
         self._welcomed = False
+        # The server's error budgets per phase for capture="lossy" (Welcome.lossy).
+        self._lossy: dict[str, pb.LossyBound] = {}
         self._closing = False  # finish sending, then say Close
         self._close_message: pb.ClientMessage | None = None
         self._stopped = threading.Event()  # give up now
@@ -291,6 +293,7 @@ class StreamClient:
                 self._welcomed = True
                 self.stats.connected = True
                 last = response.welcome.last_step_received
+                self._lossy = dict(response.welcome.lossy)
                 self._ack(last)
                 self._cond.notify_all()
             if "unreachable" in self._warned:
@@ -333,7 +336,7 @@ class StreamClient:
                     return
                 dropped = dict(self.stats.dropped)
             if batch is not None:
-                message = step_message(batch, self._hello.rank, dropped)
+                message = step_message(batch, self._hello.rank, dropped, self._lossy)
                 size = message.ByteSize()
                 if size > self._config.max_message_bytes:
                     self._warn_once(

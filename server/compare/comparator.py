@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from twinstep import codec, stats
-from twinstep.server.compare import layout, metrics
+from twinstep.server.compare import layout, metrics, sketch
 from twinstep.server.compare.lossy import ELEMENTWISE
 from twinstep.server.compare.mapping import FusedRule, NameMapping
 from twinstep.server.compare.records import PHASE_NAMES, StepData
@@ -103,8 +103,13 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     values = metrics.from_statistics(base_table, cand_table)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.nan_to_num(stats.rms(cand_table) / stats.rms(base_table), nan=1.0, posinf=np.inf)
-    for name in ("shape", "rel_l2", "cosine", "max_abs"):
+    for name in ("shape", "rel_l2", "cosine", "max_abs", "sketch_rel_l2", "sketch_cosine"):
         values[name] = np.zeros(len(pairs))
+    sketched: list[tuple[int, int, int]] = []  # (pair, base record, candidate record)
+    if base.sketches is not None and cand.sketches is not None and base.sketch_spec != cand.sketch_spec:
+        result.errors.append(f"step {base.step} rank {base.rank}: the runs' sketches use other buckets or seeds "
+                             f"({base.sketch_spec} vs {cand.sketch_spec}); sketches not compared")
+    sketches = base.sketch_spec == cand.sketch_spec and base.sketches is not None and cand.sketches is not None
 
     for k, (base_group, cand_group) in enumerate(pairs):
         rule = fused_rules.get(base_group[0])
@@ -130,6 +135,11 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             if not permuted:
                 values["shape"][k] = 1.0
             continue
+        if sketches and i in base.sketch_rows and j in cand.sketch_rows and not (i in base.payloads and j in cand.payloads):
+            # Both keyed by the canonical index (a transposed layout was sketched as its transpose).
+            canonical = tuple(reversed(cand.shapes[j])) if transpose else cand.shapes[j]
+            if canonical == base.shapes[i]:
+                sketched.append((k, i, j))
         if i in base.payloads and j in cand.payloads:
             try:
                 a = _decode(base, i)
@@ -140,6 +150,9 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             a, b = layout.align(a, b, transpose)
             for name, value in metrics.from_tensors(a, b).items():
                 values[name][k] = value
+
+    if sketched:
+        _sketch_metrics(base, cand, sketched, values)
 
     names = [_group_name([base.names[x] for x in group]) for group, _ in pairs]
     keys = [(PHASE_NAMES[int(base.phase[i])], names[k], int(base.call_index[i]), int(base.slot[i])) for k, i in enumerate(ib.tolist())]
@@ -337,6 +350,18 @@ def _group_name(names: list[str]) -> str:
             parts = split[0][:d] + ["{" + ",".join(s[d] for s in split) + "}"] + split[0][d + 1 :]
             return ".".join(parts)
     return "+".join(names)
+
+
+def _sketch_metrics(base: StepData, cand: StepData, sketched: list[tuple[int, int, int]],
+                    values: dict[str, np.ndarray]) -> None:
+    """rel_l2 and cosine gap estimated from both sides' sketches, as lower confidence bounds."""
+    k, record_b, record_c = (np.asarray(column, dtype=np.int64) for column in zip(*sketched))
+    rb = np.fromiter((base.sketch_rows[i] for i in record_b.tolist()), dtype=np.int64, count=len(record_b))
+    rc = np.fromiter((cand.sketch_rows[j] for j in record_c.tolist()), dtype=np.int64, count=len(record_c))
+    estimate = sketch.from_sketches(base.sketches[rb], cand.sketches[rc],
+                                    base.table["sum_sq"][record_b], cand.table["sum_sq"][record_c])
+    values["sketch_rel_l2"][k] = sketch.lower_bound("rel_l2", estimate["rel_l2"], estimate["buckets"])
+    values["sketch_cosine"][k] = sketch.lower_bound("cosine", estimate["cosine"], estimate["buckets"])
 
 
 def _decode(data: StepData, index: int) -> np.ndarray:

@@ -8,19 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# (framework, module type) -> parameter local names stored as [in, out] rather than [out, in].
-_IN_OUT_WEIGHTS: dict[tuple[str, str], frozenset[str]] = {
-    ("paddle", "Linear"): frozenset({"weight"}),
-    ("paddle", "ColumnParallelLinear"): frozenset({"weight"}),
-    ("paddle", "RowParallelLinear"): frozenset({"weight"}),
-    ("paddle", "FusedLinear"): frozenset({"weight"}),
-}
+from twinstep.layouts import is_in_out
 
-
-def is_in_out(framework: str, module_type: str, parameter_name: str) -> bool:
-    local = parameter_name.rsplit(".", 1)[-1]
-    return local in _IN_OUT_WEIGHTS.get((framework, module_type), frozenset())
-
+__all__ = ["is_in_out", "needs_transpose", "shapes_compatible", "align", "fused_shape", "fuse"]
 
 def needs_transpose(base: tuple[str, str, str], cand: tuple[str, str, str]) -> bool:
     """Whether a candidate parameter must be transposed to the baseline's layout.

@@ -18,6 +18,7 @@ PHASE_NAMES = {
 LOSS_NAME = "loss"
 MAX_RECORDS = 2_000_000
 MAX_NDIM = 64
+MAX_SKETCH_BUCKETS = 4096
 
 
 @dataclass
@@ -67,6 +68,12 @@ class StepData:
     table: dict[str, np.ndarray]
     payloads: dict[int, pb.TensorPayload]
     nbytes: int
+    sketch_rows: dict[int, int] = field(default_factory=dict)
+    """record index -> row of ``sketches``."""
+    sketches: np.ndarray | None = None
+    """[rows, buckets] count-sketches (twinstep.sketch) of some records, or None."""
+    sketch_spec: tuple[int, int] = (0, 0)
+    """(buckets, seed): sketches of two runs compare only when these agree."""
 
     def __len__(self) -> int:
         return len(self.names)
@@ -166,7 +173,30 @@ def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
         table=table,
         payloads=payloads,
         nbytes=message.ByteSize(),
+        **_sketches(message, n),
     )
+
+
+def _sketches(message: pb.StepRecords, n: int) -> dict:
+    """The step's sketches, validated: record indices ascending and in range, one float32 row each."""
+    if not message.HasField("sketches") or not message.sketches.record:
+        return {}
+    sk = message.sketches
+    if not 0 < sk.buckets <= MAX_SKETCH_BUCKETS:
+        raise invalid(f"step {message.step}: sketches have {sk.buckets} buckets (1 to {MAX_SKETCH_BUCKETS})")
+    records = np.asarray(sk.record, dtype=np.int64)
+    if records[-1] >= n or (records.size > 1 and np.any(np.diff(records) <= 0)):
+        raise invalid(f"step {message.step}: sketch record indices must be ascending and below {n}")
+    expected = records.size * sk.buckets * 4
+    if len(sk.values) != expected:
+        raise invalid(f"step {message.step}: sketches hold {len(sk.values)} bytes, {records.size} x {sk.buckets} "
+                      f"float32 need {expected}")
+    values = np.frombuffer(sk.values, dtype="<f4").reshape(records.size, sk.buckets)
+    return {
+        "sketch_rows": {int(r): k for k, r in enumerate(records.tolist())},
+        "sketches": values,
+        "sketch_spec": (int(sk.buckets), int(sk.seed)),
+    }
 
 
 def _m2_column(message: pb.StepRecords, table: dict[str, np.ndarray], n: int) -> np.ndarray:

@@ -137,3 +137,20 @@ def significantly_below(metric: str, estimate: np.ndarray | float, tolerance: np
         raise ValueError(f"no error model for metric {metric!r} (expected rel_l2 or cosine)")
     with np.errstate(invalid="ignore"):
         return np.asarray(estimate, dtype=np.float64) < bound
+
+
+def lower_bound(metric: str, estimate: np.ndarray, buckets: np.ndarray | int, z: float = DEFAULT_Z) -> np.ndarray:
+    """The smallest true value an estimate is consistent with at z sigma (0 where NaN).
+
+    ``lower_bound(m, e, b) > tol`` exactly when ``significantly_above(m, e, tol, b)``
+    (exact norms), so a comparator can judge it like any other metric: a sketch
+    raises an alarm only when the tensors differ beyond its own noise.
+    """
+    m = np.maximum(np.asarray(buckets, dtype=np.float64), 1.0)
+    est = np.nan_to_num(np.asarray(estimate, dtype=np.float64), nan=0.0)
+    q = _chi2_ratio_quantile(m, z)
+    if metric == "rel_l2":
+        return np.maximum((est - z * FLOOR_REL_L2) / np.sqrt(q), 0.0)
+    if metric == "cosine":
+        return est / q
+    raise ValueError(f"no error model for metric {metric!r} (expected rel_l2 or cosine)")

@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PHASES = ("forward", "loss", "backward", "grad", "param")
-#: Metrics from statistics, then from full tensors.  "shape" and "nonfinite" always have tolerance 0.
-METRICS = ("rms", "mean", "extrema", "nonfinite", "shape", "rel_l2", "cosine", "max_abs")
+#: Metrics from statistics, then from full tensors, then estimated from sketches (their
+#: lower confidence bounds; judged by the tolerances of rel_l2 and cosine).  "shape" and
+#: "nonfinite" always have tolerance 0.
+METRICS = ("rms", "mean", "extrema", "nonfinite", "shape", "rel_l2", "cosine", "max_abs", "sketch_rel_l2", "sketch_cosine")
+#: Sketch metric -> the full-tensor metric whose tolerance it is judged by.
+SKETCH_OF = {"sketch_rel_l2": "rel_l2", "sketch_cosine": "cosine"}
 
 _FP32_DEFAULTS: dict[str, dict[str, float]] = {
     # Faithful demo port (torch vs paddle, fp32, AdamW, 50 steps), worst value seen:
@@ -136,6 +140,8 @@ class ToleranceConfig:
         for override in self.overrides:
             if override.phase in ("*", phase) and fnmatch.fnmatchcase(name, override.pattern):
                 tolerances.update(override.metrics)
+        for estimate, exact in SKETCH_OF.items():
+            tolerances[estimate] = tolerances[exact]
         if len(self._cache) < 1_000_000:
             self._cache[key] = tolerances
         return tolerances
@@ -170,7 +176,7 @@ def _metrics(value: Any, where: str) -> dict[str, float]:
         raise ValueError(f"{where} must map metric names to numbers")
     out = {}
     for metric, tol in value.items():
-        if metric not in METRICS or metric in ("shape", "nonfinite"):
+        if metric not in METRICS or metric in ("shape", "nonfinite") or metric in SKETCH_OF:
             raise ValueError(f"{where}.{metric}: unknown metric (expected one of rms, mean, extrema, rel_l2, cosine, max_abs)")
         try:
             out[metric] = float(tol)

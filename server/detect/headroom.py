@@ -17,7 +17,7 @@ from twinstep.server.compare.comparator import StepComparison
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: Metrics that measure numbers; "shape" and "nonfinite" are exact and have no headroom.
-MEASURED = ("rms", "mean", "extrema", "rel_l2", "cosine", "max_abs")
+MEASURED = ("rms", "mean", "extrema", "rel_l2", "cosine", "max_abs", "sketch_rel_l2", "sketch_cosine")
 
 
 @dataclass

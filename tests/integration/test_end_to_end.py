@@ -63,3 +63,28 @@ def test_halt_reaches_both_jobs(server, jobs):
     report = server.report("halt")
     assert report["halted"] is True and report["status"] == "diverged"
     assert {r["state"] for r in report["runs"]} == {"halted"}
+
+
+def test_lossy_tensors_keep_every_verdict(server, jobs):
+    """capture="lossy": tensors quantised within the server's budget; same verdicts as lossless."""
+    run_pair(jobs, server, "lossy-ok", capture="lossy", steps=5)
+    report = server.report_proto("lossy-ok")
+    assert report.status == "aligned" and not report.errors, report
+    # Element-wise metrics were computed from the lossy payloads (rel_l2 > 0 somewhere).
+    assert any(h.metric == "rel_l2" and 0 < h.value < h.tolerance for h in report.headroom)
+    run_pair(jobs, server, "lossy-bug", capture="lossy", bug="gelu_tanh", steps=3)
+    first = server.report("lossy-bug")["first_divergence"]
+    assert (first["step"], first["phase"], first["module"]) == (0, "forward", "layers.1.mlp.act")
+
+
+def test_sketches_compared_without_false_alarms_and_bug_still_found(server, jobs):
+    run_pair(jobs, server, "sketch-ok", steps=10, extra=["--sketch"])
+    report = server.report_proto("sketch-ok")
+    assert report.status == "aligned" and not report.errors, report
+    run_pair(jobs, server, "sketch-bug", bug="gelu_tanh", steps=3, extra=["--sketch"])
+    report = server.report_proto("sketch-bug")
+    assert (report.first_divergence.step, report.first_divergence.module) == (0, "layers.1.mlp.act")
+    # The activation's fingerprint sees the bug too: its sketch estimate is over tolerance.
+    act = server.last_comparison("sketch-bug")
+    rows = [k for k, r in enumerate(act.rows) if r.phase == "forward" and r.name == "layers.1.mlp.act"]
+    assert rows and act.values["sketch_rel_l2"][rows[0]] > act.tolerance["sketch_rel_l2"][rows[0]]

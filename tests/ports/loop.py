@@ -48,7 +48,8 @@ def parser(prog: str, description: str, framework: str) -> argparse.ArgumentPars
     p.add_argument("--baseline", action="store_true", help="this run is the one the others are judged against")
     p.add_argument("--reference", action="store_true", help="a rerun of the baseline that measures its own noise")
     p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
-    p.add_argument("--capture", choices=("stats", "tensors"), default="stats")
+    p.add_argument("--capture", choices=("stats", "tensors", "lossy"), default="stats")
+    p.add_argument("--sketch", action="store_true", help="also send a count-sketch of every floating tensor")
     p.add_argument("--no-monitor", action="store_true", help="train without twinstep")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="sleep per step (simulate a slow job)")
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None
 
         mon = twinstep.attach(
             trainer.model, session=args.session, run=args.run, baseline=args.baseline, reference=args.reference,
-            server=args.server, capture=args.capture, lockstep=args.lockstep,
+            server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep,
         )
         halted_type = twinstep.Halted
 

@@ -677,3 +677,68 @@ def test_fused_module_input_is_each_parts_input():
     assert [(r.phase, r.divergent) for r in result.rows] == [("input", False)]
     other = decoded([Rec("input", "attn.qkv_proj", x[:, :4])])  # another input: a shape divergence
     assert compare_step(base, other, ctx("torch", "paddle", fused_mapping(QKV))).rows[0].metric == "shape"
+
+
+# -- sketches ------------------------------------------------------------------------
+
+
+def sketched(records: list[Rec], spec=None, transpose: frozenset[str] = frozenset()):
+    """A decoded step whose records all carry count-sketches (names in ``transpose`` sketched as their transpose)."""
+    from twinstep import sketch
+
+    spec = spec or sketch.SketchSpec()
+    msg, manifest = build(records)
+    rows = [sketch.sketch_array(np.asarray(r.value, dtype=np.float32), spec, transpose=r.name in transpose)
+            for r in records]
+    msg.sketches.buckets = spec.buckets
+    msg.sketches.seed = spec.seed
+    msg.sketches.record.extend(range(len(records)))
+    msg.sketches.values = np.asarray(rows, dtype="<f4").tobytes()
+    return decode_step(msg, manifest)
+
+
+def test_sketches_see_a_difference_no_statistic_can():
+    """Rows swapped (a batch fed in another order): every statistic is identical, the fingerprint is not."""
+    x = _rng(8).normal(size=(8, 64)).astype(np.float32)
+    swapped = x[[1, 0, 2, 3, 4, 5, 6, 7]]
+    result = compare_step(sketched([Rec("forward", "embed", x)]), sketched([Rec("forward", "embed", swapped)]), ctx())
+    row = result.rows[0]
+    assert result.values["rms"][0] == 0 and result.values["extrema"][0] == 0
+    assert row.divergent and row.metric.startswith("sketch_")
+    # A lower confidence bound: below the true value, far above the tolerance.
+    exact = np.linalg.norm(x - swapped) / np.linalg.norm(x)
+    assert 1e-4 < result.values["sketch_rel_l2"][0] < exact
+
+
+def test_identical_and_transposed_layouts_sketch_alike():
+    w = _rng(9).normal(size=(16, 16)).astype(np.float32)  # square: only the layout rule can tell
+    base = sketched([Rec("param", "fc.weight", w)])
+    cand = sketched([Rec("param", "fc.weight", w.T.copy())], transpose=frozenset({"fc.weight"}))
+    result = compare_step(base, cand, ctx(cand="paddle"))
+    assert result.values["sketch_rel_l2"][0] == 0 and not result.rows[0].divergent
+    # Sketched without the transpose, the same numbers are a different fingerprint.
+    wrong = sketched([Rec("param", "fc.weight", w.T.copy())])
+    assert compare_step(base, wrong, ctx(cand="paddle")).rows[0].metric.startswith("sketch_")
+
+
+def test_sketches_of_other_settings_are_not_compared():
+    from twinstep import sketch
+
+    x = _rng(10).normal(size=(4, 64)).astype(np.float32)
+    other = sketch.SketchSpec(buckets=128)
+    result = compare_step(sketched([Rec("forward", "fc", x)]), sketched([Rec("forward", "fc", x[::-1].copy())], other), ctx())
+    assert result.values["sketch_rel_l2"][0] == 0
+    assert any("sketches use other buckets" in e for e in result.errors)
+
+
+def test_bad_sketch_payloads_are_refused_with_a_clear_error():
+    x = _rng(11).normal(size=(4, 64)).astype(np.float32)
+    msg, manifest = build([Rec("forward", "fc", x)])
+    msg.sketches.buckets = 256
+    msg.sketches.record.append(0)
+    msg.sketches.values = b"\0" * 100
+    assert "float32 need 1024" in _error(msg, manifest)
+    msg.sketches.record[0] = 5
+    assert "ascending and below 1" in _error(msg, manifest)
+    msg.sketches.buckets = 1 << 20
+    assert "buckets" in _error(msg, manifest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from twinstep import codec
 from twinstep.server.compare import metrics
@@ -47,3 +48,36 @@ def test_the_budget_keeps_a_forward_verdict_on_real_data():
     lossy = metrics.from_tensors(*decoded)["rel_l2"]
     assert exact > 1e-4 and lossy > 1e-4
     assert abs(lossy - exact) <= codec.DEFAULT_MARGIN * 1e-4
+
+
+def test_a_lossy_client_quantises_each_tensor_within_its_phase_budget():
+    import torch
+
+    from twinstep.capture import CaptureConfig, Recorder, backend_for
+    from twinstep.transport.messages import step_message
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    recorder = Recorder(model, backend_for(model), CaptureConfig(capture="lossy"))
+    x = torch.randn(16, 64)
+    loss = model(x).square().mean()
+    loss.backward()
+    batch = recorder.finish_step(0, loss)
+    budgets = lossy_bounds(ToleranceConfig())
+    del budgets["param"]  # a phase without a budget travels losslessly
+    message = step_message(batch, 0, {}, budgets).step
+    kinds = {}
+    for payload in message.tensors:
+        phase = codec.pb.Phase.Name(message.phase[payload.record]).lower()
+        kinds.setdefault(phase, set()).add(payload.codec)
+        if payload.codec != codec.pb.QUANT_ZSTD:
+            continue
+        shape = tuple(batch.dims_of(payload.record))
+        decoded = codec.decode(payload.codec, payload.data, payload.raw_nbytes, "float32", shape,
+                               quant_step=payload.quant_step, error_bound=payload.error_bound)
+        original = next(batch.storage_array(c) for r, _, c in batch.tensors if r == payload.record)
+        rms = float(np.sqrt(np.mean(original.astype(np.float64) ** 2)))
+        assert payload.error_bound == pytest.approx(budgets[phase].rms_fraction * rms, rel=1e-5)
+        assert np.abs(decoded - original).max() <= payload.error_bound
+    assert kinds["forward"] == kinds["grad"] == {codec.pb.QUANT_ZSTD}
+    assert codec.pb.QUANT_ZSTD not in kinds["param"]

@@ -172,3 +172,43 @@ def test_capture_config_is_validated():
         CaptureConfig(every=0)
     with pytest.raises(ValueError, match="not a string"):
         CaptureConfig(include="fc*")
+
+
+def _linear_pair():
+    """A torch and a paddle Linear(64, 48) holding the same weights, and one input batch."""
+    import paddle
+    import torch
+
+    rng = np.random.default_rng(0)
+    w, b, x = rng.normal(size=(48, 64)), rng.normal(size=48), rng.normal(size=(8, 64))
+    t = torch.nn.Linear(64, 48)
+    p = paddle.nn.Linear(64, 48)
+    with torch.no_grad():
+        t.weight.copy_(torch.from_numpy(w))
+        t.bias.copy_(torch.from_numpy(b))
+    p.weight.set_value(w.T.astype("float32"))  # paddle stores [in, out]
+    p.bias.set_value(b.astype("float32"))
+    return (t, torch.from_numpy(x).float()), (p, paddle.to_tensor(x.astype("float32")))
+
+
+def test_sketches_of_the_same_numbers_agree_across_frameworks_and_layouts():
+    batches = []
+    for model, x in _linear_pair():
+        recorder = Recorder(model, backend_for(model), CaptureConfig(sketch=True))
+        loss = model(x).sum()
+        loss.backward()
+        batches.append(recorder.finish_step(0, loss))
+        recorder.remove()
+    (tb, pb_) = batches
+    assert tb.sketch_spec == pb_.sketch_spec and tb.sketch_spec[0] == 256
+    for batch in batches:
+        # Ascending records; only tensors larger than the sketch (the 48-element bias is not).
+        assert list(batch.sketch_records) == sorted(batch.sketch_records)
+        assert all(int(np.prod(batch.dims_of(r))) > 256 for r in batch.sketch_records)
+    def by_phase(batch):
+        return {int(batch.phase[r]): batch.sketches[k] for k, r in enumerate(batch.sketch_records)}
+    t_rows, p_rows = by_phase(tb), by_phase(pb_)
+    assert set(t_rows) == set(p_rows) == {pb.FORWARD, pb.BACKWARD, pb.GRAD, pb.PARAM}
+    for phase in t_rows:
+        # The weight (and its gradient) is stored transposed in paddle, sketched by torch's index.
+        np.testing.assert_allclose(p_rows[phase], t_rows[phase], rtol=1e-4, atol=1e-4 * np.abs(t_rows[phase]).max())

@@ -11,6 +11,8 @@ import paddle
 
 from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.paddle.sketch import PaddleSketcher
+from twinstep.sketch import SketchSpec
 
 _DTYPE_NAMES = {
     "float32": "float32",
@@ -133,6 +135,9 @@ class PaddleBackend(CaptureBackend):
 
     def from_numpy(self, array: np.ndarray, like: paddle.Tensor) -> paddle.Tensor:
         return paddle.to_tensor(np.ascontiguousarray(array), dtype=like.dtype, place=like.place)
+
+    def make_sketcher(self, spec: SketchSpec) -> PaddleSketcher:
+        return PaddleSketcher(spec)
 
     def float32_matmul_precision(self) -> str:
         # Paddle multiplies float32 matrices with TF32 on Ampere and newer GPUs unless

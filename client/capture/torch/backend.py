@@ -13,6 +13,8 @@ import torch
 
 from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.torch.sketch import TorchSketcher
+from twinstep.sketch import SketchSpec
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -133,6 +135,9 @@ class TorchBackend(CaptureBackend):
 
     def from_numpy(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
+
+    def make_sketcher(self, spec: SketchSpec) -> TorchSketcher:
+        return TorchSketcher(spec)
 
     def float32_matmul_precision(self) -> str:
         # torch's switch for cuBLAS matmuls ("high"/"medium" allow TF32); NVIDIA_TF32_OVERRIDE=0
