@@ -34,3 +34,10 @@ def test_documented_subcommands_exist():
         assert f"twinstep {sub}" in README
         out = subprocess.run([sys.executable, "-m", "twinstep", sub, "--help"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
+
+
+def test_documented_benchmarks_exist():
+    scripts = set(re.findall(r"python (benchmarks/\w+\.py)", README))
+    assert len(scripts) >= 7, scripts
+    for script in scripts:
+        assert (ROOT / script).is_file(), script
