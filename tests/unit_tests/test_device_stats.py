@@ -15,25 +15,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from tests.unit_tests.test_stats import _exact_m2, _rng
 from twinstep import stats
 from twinstep.v1 import twinstep_pb2 as pb
 
-RNG_SEED = 20240611
 N_FIELDS = len(stats.DEVICE_FIELDS)
 SUM, SUM_SQ, MIN, MAX, ABS_MAX, NAN, INF, M2 = range(N_FIELDS)
-
-
-def _rng() -> np.random.Generator:
-    return np.random.default_rng(RNG_SEED)
-
-
-def _exact_m2(x: np.ndarray) -> float:
-    x = np.asarray(x, dtype=np.float64).ravel()
-    x = x[np.isfinite(x)]
-    if x.size == 0:
-        return 0.0
-    d = x - math.fsum(x) / x.size
-    return math.fsum(d * d) - math.fsum(d) ** 2 / x.size
 
 
 class _Torch:
