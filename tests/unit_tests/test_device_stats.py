@@ -8,7 +8,6 @@ CUDA tests at the end run only where CUDA exists.
 
 from __future__ import annotations
 
-import math
 import threading
 import tracemalloc
 
