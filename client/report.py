@@ -105,7 +105,7 @@ def _headroom_lines(headroom: Any) -> list[str]:
             closest[key] = (ratio, h)
     out = []
     for run in dict.fromkeys(h.candidate_run for h in headroom):
-        out.append(f"closest to tolerance, candidate {run!r} (worst over every step compared):")
+        out.append(f"worst value against its tolerance per phase, candidate {run!r} (over every step compared):")
         phases = [p for p in ("forward", "loss", "backward", "grad", "param") if (run, p) in closest]
         for phase in phases:
             ratio, h = closest[(run, phase)]

@@ -33,3 +33,20 @@ def test_module_inputs_and_non_finite_values_are_left_out():
     tracker.add(compare_step(base, cand, ctx()))
     phases = {h.phase for h in tracker.to_proto("cand")}
     assert phases == {"forward"}
+
+
+def test_text_report_names_each_phases_worst_metric_against_its_tolerance():
+    from twinstep.report import render_text
+    from twinstep.v1 import twinstep_pb2 as pb
+
+    report = pb.Report(session="s", status="aligned")
+    report.headroom.extend([
+        pb.Headroom(candidate_run="paddle", phase="forward", metric="rms", value=1e-6, tolerance=5e-5, step=3,
+                    module="layers.0", dtype="float32"),
+        pb.Headroom(candidate_run="paddle", phase="forward", metric="mean", value=5e-6, tolerance=1e-5, step=7,
+                    module="layers.1.act", dtype="float32"),
+    ])
+    text = render_text(report)
+    assert "worst value against its tolerance per phase, candidate 'paddle'" in text
+    line = next(x for x in text.splitlines() if x.strip().startswith("forward"))
+    assert "mean" in line and "0.500 of it" in line and "layers.1.act, step 7" in line
