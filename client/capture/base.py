@@ -101,6 +101,12 @@ class CaptureBackend(ABC):
         """A tensor of ``like``'s dtype and device holding ``array``."""
 
     @abstractmethod
+    def inplace_version(self, tensor: Tensor) -> int | None:
+        """The tensor's in-place modification counter (hot): a tensor seen again with the same
+        counter holds the same numbers, so its statistics are reused.  None: not tracked
+        (never reused)."""
+
+    @abstractmethod
     def make_sketcher(self, spec: Any) -> Any:
         """A device sketcher (twinstep.capture.<framework>.sketch) for :class:`twinstep.sketch.SketchSpec` ``spec``."""
 

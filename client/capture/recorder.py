@@ -221,7 +221,7 @@ class Recorder:
 
     def _add_input(self, module_id: int, call: int, tensor: Any) -> None:
         buffer = self._buffer
-        source = _recorded(buffer.produced, tensor)
+        source = _recorded(buffer.produced, tensor, self.backend.inplace_version)
         if source is not None:  # another module's output: same numbers, no new pass over the tensor
             self._append(pb.INPUT, module_id, call, 0, buffer.dtype[source], buffer.shapes[source], buffer.stats[source])
             return
@@ -252,7 +252,7 @@ class Recorder:
             buffer.overflow += 1
             return None
         backend = self.backend
-        source = _recorded(seen, tensor) if seen else None
+        source = _recorded(seen, tensor, backend.inplace_version) if seen else None
         if source is None:
             dtype, shape = backend.describe(tensor)
             wire, stats = DTYPE_TO_WIRE[dtype], backend.device_stats(tensor)
@@ -265,7 +265,7 @@ class Recorder:
         if index is None:
             return None
         if seen is not None and source is None:
-            seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), index)
+            seen[id(tensor)] = (weakref.ref(tensor), backend.inplace_version(tensor), index)
         sketcher = self._sketcher
         if sketcher is not None and dtype in _FLOATS:
             if source is not None and source in buffer.sketches:
@@ -366,15 +366,9 @@ class Recorder:
         self._active = False
 
 
-def _version(tensor: Any) -> Any:
-    """The tensor's in-place version counter (torch ``_version``, paddle ``inplace_version``)."""
-    version = getattr(tensor, "_version", None)
-    return version if version is not None else getattr(tensor, "inplace_version", None)
-
-
-def _recorded(seen: dict[int, _Seen], tensor: Any) -> int | None:
+def _recorded(seen: dict[int, _Seen], tensor: Any, version: Callable[[Any], Any]) -> int | None:
     """Record index of ``tensor`` if recorded this step and not modified in place since."""
     known = seen.get(id(tensor))
-    if known is not None and known[0]() is tensor and known[1] == _version(tensor):
+    if known is not None and known[0]() is tensor and known[1] is not None and known[1] == version(tensor):
         return known[2]
     return None

@@ -167,7 +167,8 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             dtype = effective_dtype(dtype, cand.dtypes[cand_group[0]], arithmetic)
         judged_as.append(dtype)
         limits = ctx.tolerances.for_record(keys[k][0], base.names[i], dtype)
-        lossy = _any_lossy(base, base_group) or _any_lossy(cand, cand_group)
+        # Only noise bands tighten tolerances, so only then does a lossy payload matter here.
+        lossy = ctx.noise is not None and (_any_lossy(base, base_group) or _any_lossy(cand, cand_group))
         for m in METRICS:
             limit = limits[m]
             if ctx.noise is not None and m not in ("shape", "nonfinite") and np.isfinite(limit):

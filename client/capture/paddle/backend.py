@@ -136,6 +136,9 @@ class PaddleBackend(CaptureBackend):
     def from_numpy(self, array: np.ndarray, like: paddle.Tensor) -> paddle.Tensor:
         return paddle.to_tensor(np.ascontiguousarray(array), dtype=like.dtype, place=like.place)
 
+    def inplace_version(self, tensor: Any) -> int | None:
+        return getattr(tensor, "inplace_version", None)  # absent on some static-graph variables
+
     def make_sketcher(self, spec: SketchSpec) -> PaddleSketcher:
         return PaddleSketcher(spec)
 

@@ -136,6 +136,9 @@ class TorchBackend(CaptureBackend):
     def from_numpy(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
 
+    def inplace_version(self, tensor: Any) -> int | None:
+        return tensor._version
+
     def make_sketcher(self, spec: SketchSpec) -> TorchSketcher:
         return TorchSketcher(spec)
 
