@@ -143,7 +143,7 @@ def encode_both(tally: Tally, raw: np.ndarray, dtype: str, bound: float, repeat:
     timed(tally, "dec_lossless", repeat, codec.decode, kind, data, n, dtype, raw.shape)
     tally.lossless += len(data)
     planes = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, raw.itemsize).T.tobytes()
-    tally.shuffled += len(zstandard.ZstdCompressor(level=codec._ZSTD_LEVEL).compress(planes))
+    tally.shuffled += len(zstandard.ZstdCompressor(level=codec.ZSTD_LEVEL).compress(planes))
     kind, data, n, step = timed(tally, "enc_lossy", repeat, codec.encode_quantized, raw, bound, dtype)
     decoded = timed(tally, "dec_lossy", repeat, codec.decode, kind, data, n, dtype, raw.shape,
                     quant_step=step, error_bound=bound)
@@ -204,7 +204,7 @@ def main() -> int:
     cfg = spec.ModelConfig(vocab=512, hidden=args.hidden, heads=4, layers=args.layers, seq=args.seq, batch=args.batch)
     print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}; "
           f"tensors of step {args.steps - 1}, baseline + GELU-tanh candidate; margin {args.margin}; "
-          f"zstd level {codec._ZSTD_LEVEL}; codec times best of {args.repeat}")
+          f"zstd level {codec.ZSTD_LEVEL}; codec times best of {args.repeat}")
     print("n = payloads (baseline + candidate); ratio = raw bytes / payload bytes (lossless: zstd as sent today, "
           "shuf: byte-shuffled + zstd, lossy: QUANT_ZSTD); gain = lossless / lossy bytes;\n"
           "speeds in MB of raw tensor per second; err/bound = max element error / its bound; "

@@ -73,7 +73,8 @@ class Monitor:
         self._halt_lock = threading.Lock()
         self._halt: tuple[int, str] | None = None  # (at_step, reason)
         self._backend = backend_for(model)
-        self._recorder = Recorder(model, self._backend, capture)
+        # Free host buffers are capped like the outbox: together they hold at most twice its bound.
+        self._recorder = Recorder(model, self._backend, capture, host_pool_bytes=stream.max_queue_bytes)
         hello = pb.Hello(
             protocol_version=PROTOCOL_VERSION,
             session=session,
@@ -220,6 +221,7 @@ def attach(
     backward: bool = True,
     precision: str = "auto",
     sketch: bool = False,
+    compression: str = "auto",
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -249,6 +251,10 @@ def attach(
             Float32 records of a tf32 run are judged with looser tf32 tolerances.
         sketch: also send a count-sketch of every floating tensor (1 KiB each), from
             which the server estimates rel_l2 and cosine of whole tensors.
+        compression: lossless compression of full tensors: "zstd", "none", or
+            "auto" (zstd, except for a dtype it shrinks by under 10%, such as
+            float32 activations: there the CPU is worth more than the bytes).
+            Use "zstd" over slow links.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -279,5 +285,6 @@ def attach(
         world_size=resolved_world,
         lockstep=lockstep,
         lockstep_timeout=lockstep_timeout,
-        stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes),
+        stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes,
+                            compression=compression),
     )

@@ -16,7 +16,7 @@ from twinstep.server.report.builder import build_report
 from twinstep.server.servicer import TwinstepServicer
 from twinstep.server.session import SessionRegistry
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
+from twinstep.server.wire import add_servicer
 
 logger = logging.getLogger("twinstep.server")
 
@@ -99,7 +99,7 @@ def serve(
             ("grpc.keepalive_permit_without_calls", 1),
         ],
     )
-    pb_grpc.add_TwinstepServicer_to_server(TwinstepServicer(registry, stopping), server)
+    add_servicer(TwinstepServicer(registry, stopping), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")

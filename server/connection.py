@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from twinstep.server.compare.tensors import PieceCollector
 from twinstep.v1 import twinstep_pb2 as pb
 
 
@@ -28,8 +29,10 @@ class StreamFailure:
 
 
 class Connection:
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, max_pending_bytes: int = 1 << 30) -> None:
         self.peer = peer
+        # Tensor pieces of the step this stream is sending, until its records complete it.
+        self.pieces = PieceCollector(max_pending_bytes)
         self.session: str | None = None
         self.run: str | None = None
         self.rank = 0

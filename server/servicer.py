@@ -13,6 +13,7 @@ from twinstep.server.connection import Connection, StreamEnd, StreamFailure
 from twinstep.server.errors import InputError, invalid
 from twinstep.server.report.builder import build_report
 from twinstep.server.session import Session, SessionRegistry
+from twinstep.server.wire import ReceivedPiece
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
@@ -27,8 +28,8 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
 
     # -- training processes -------------------------------------------------------
 
-    def Stream(self, request_iterator: Iterator[pb.ClientMessage], context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
-        conn = Connection(context.peer())
+    def Stream(self, request_iterator: Iterator[pb.ClientMessage | ReceivedPiece], context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
+        conn = Connection(context.peer(), self.registry.config.window_bytes)
         context.add_callback(conn.finish)  # the client left: stop yielding
         reader = threading.Thread(
             target=self._read, args=(request_iterator, conn), name="twinstep-stream-reader", daemon=True
@@ -46,10 +47,15 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                 return
             yield item
 
-    def _read(self, requests: Iterator[pb.ClientMessage], conn: Connection) -> None:
+    def _read(self, requests: Iterator[pb.ClientMessage | ReceivedPiece], conn: Connection) -> None:
         session: Session | None = None
         try:
             for message in requests:
+                if isinstance(message, ReceivedPiece):  # parsed without copying its payload (server.wire)
+                    if session is None:
+                        raise InputError(grpc.StatusCode.FAILED_PRECONDITION, "first message must be hello, got tensor")
+                    conn.pieces.add(message.header, message.data)
+                    continue
                 kind = message.WhichOneof("body")
                 if session is None:
                     if kind != "hello":
@@ -61,6 +67,8 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                     session = joining
                 elif kind == "manifest":
                     session.add_manifest(conn, message.manifest)
+                elif kind == "tensor":
+                    conn.pieces.add(message.tensor)
                 elif kind == "step":
                     session.add_step(conn, message.step)
                 elif kind == "halt_ack":
@@ -86,6 +94,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
             logger.exception("internal error on stream %s", conn.peer)
             conn.fail(grpc.StatusCode.INTERNAL, "internal server error (see the server log)")
         finally:
+            conn.pieces.discard()
             if session is not None:
                 session.leave(conn)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from twinstep._version import PROTOCOL_VERSION
+from twinstep._version import PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS
 from twinstep.server.align.window import RankAligner
 from twinstep.server.alert.events import EventBus
 from twinstep.server.compare import automatch
@@ -133,10 +133,11 @@ class Session:
         return [name for name, run in self.runs.items() if not run.baseline]
 
     def join(self, conn: Connection, hello: pb.Hello) -> pb.ServerMessage:
-        if hello.protocol_version != PROTOCOL_VERSION:
+        if hello.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
             raise InputError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"unsupported protocol version {hello.protocol_version}; this server speaks {PROTOCOL_VERSION}",
+                f"unsupported protocol version {hello.protocol_version}; this server speaks "
+                f"{', '.join(map(str, SUPPORTED_PROTOCOL_VERSIONS))}",
             )
         if not hello.run:
             raise invalid("hello needs a run name")
@@ -250,7 +251,7 @@ class Session:
             raise invalid(f"negative step {message.step}")
         with self.lock:
             rank_state = self._rank_state(conn)
-            data = decode_step(message, rank_state.manifest)
+            data = decode_step(message, rank_state.manifest, conn.pieces)
             rank_state.client_dropped = sum(message.dropped.values())
             if data.step > rank_state.last_step:
                 rank_state.last_step = data.step

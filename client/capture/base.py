@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from twinstep.capture.buffers import HostBufferPool
+
 Tensor = Any
 Module = Any
 
@@ -81,8 +83,26 @@ class CaptureBackend(ABC):
         """Stack statistics into one float64 array [n, len(DEVICE_FIELDS)], one copy per device."""
 
     @abstractmethod
-    def host_copy(self, tensor: Tensor) -> Any:
-        """A private host copy of ``tensor`` for tensor mode (hot: one copy, no conversion)."""
+    def host_copy(self, tensor: Tensor, pool: HostBufferPool | None = None) -> tuple[Any, Any]:
+        """A private host copy of ``tensor`` for tensor mode (hot: one copy, no conversion).
+
+        Returns (copy, buffer): with a pool the copy lives in ``buffer``, taken
+        from it (give it back once the copy is encoded); without, buffer is None.
+        A copy from an accelerator may still be in flight until
+        :meth:`host_copies_fence` says otherwise.
+        """
+
+    def allocate_host(self, nbytes: int) -> Any:
+        """A new host buffer of ``nbytes`` bytes for the pool (page-locked where that makes copies async)."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def host_copies_fence(self) -> Callable[[], None] | None:
+        """A wait for every host copy started so far (None: copies are already complete).
+
+        Called on the training thread at the end of a step; the returned
+        callable runs on the sender thread before it reads the copies.
+        """
+        return None
 
     @abstractmethod
     def storage_array(self, copy: Any) -> np.ndarray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.buffers import HostBufferPool, HostTensor
 from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
 from twinstep.layouts import is_in_out
 from twinstep.sketch import SketchSpec
@@ -100,8 +102,13 @@ class StepBatch:
     dims: list[int]
     count: np.ndarray
     device_stats: np.ndarray  # [n, len(DEVICE_FIELDS)] float64, twinstep.stats.DEVICE_FIELDS
-    tensors: list[tuple[int, str, Any]] = field(default_factory=list)  # (record, dtype, host copy)
+    tensors: list[HostTensor] = field(default_factory=list)
+    """Full tensors (tensor and lossy modes), one per distinct tensor of the step."""
     storage_array: Callable[[Any], np.ndarray] | None = None
+    release: Callable[[HostTensor], None] | None = None
+    """Gives a tensor's pooled buffer back once it is encoded."""
+    copies_ready: Callable[[], None] | None = None
+    """Waits for asynchronous device-to-host copies (None: they are complete)."""
     sketch_records: np.ndarray | None = None
     """Ascending record indices that carry a sketch (None: no sketches)."""
     sketches: np.ndarray | None = None
@@ -114,14 +121,14 @@ class StepBatch:
         start = int(self.ndim[:record].sum())
         return tuple(self.dims[start : start + int(self.ndim[record])])
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Approximate memory held, for bounding the send queue."""
+        """Approximate memory held, for bounding the send queue (fixed once asked: encoding keeps it about equal)."""
         size = self.device_stats.nbytes + 64 * len(self.phase)
         if self.sketches is not None:
             size += self.sketches.nbytes
-        for _, _, copy in self.tensors:
-            size += int(getattr(copy, "nbytes", 0) or copy.numel() * copy.element_size())
+        for host in self.tensors:
+            size += host.nbytes
         return size
 
 
@@ -130,7 +137,7 @@ class _StepBuffer:
 
     __slots__ = (
         "phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced",
-        "grads", "sketches",
+        "grads", "sketches", "copied",
     )
 
     def __init__(self) -> None:
@@ -141,7 +148,8 @@ class _StepBuffer:
         self.dtype: list[int] = []
         self.shapes: list[tuple[int, ...]] = []
         self.stats: list[Any] = []
-        self.tensors: list[tuple[int, str, Any]] = []
+        self.tensors: list[HostTensor] = []
+        self.copied: dict[int, HostTensor] = {}  # record index -> its host copy
         self.calls: dict[int, int] = {}
         self.overflow = 0
         # id(tensor) -> (weak reference, in-place version, record index) of the tensors recorded
@@ -156,7 +164,7 @@ class _StepBuffer:
 class Recorder:
     """Hooks one model and records each step; all methods run on the training thread."""
 
-    def __init__(self, model: Any, backend: CaptureBackend, config: CaptureConfig) -> None:
+    def __init__(self, model: Any, backend: CaptureBackend, config: CaptureConfig, host_pool_bytes: int = 1 << 30) -> None:
         self.backend = backend
         self.config = config
         self._handles: list[RemovableHandle] = []
@@ -168,6 +176,9 @@ class Recorder:
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
         self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
+        self._pool = (
+            HostBufferPool(backend.allocate_host, max_free_bytes=host_pool_bytes) if config.capture != "stats" else None
+        )
         # Parameters stored as the transpose of the canonical layout: sketched by the canonical index.
         self._transposed: set[int] = set()
         for name, module in backend.named_modules(model):
@@ -259,11 +270,18 @@ class Recorder:
         else:
             wire, shape, stats = buffer.dtype[source], buffer.shapes[source], buffer.stats[source]
             dtype = WIRE_TO_DTYPE[wire]
-        if self.config.capture != "stats":
-            buffer.tensors.append((len(buffer.phase), dtype, backend.host_copy(tensor)))
         index = self._append(phase, target, call, slot, wire, shape, stats)
         if index is None:
             return None
+        if self.config.capture != "stats":
+            shared = buffer.copied.get(source) if source is not None else None
+            if shared is not None:  # the same tensor again: sent once, for both records
+                shared.records.append(index)
+            else:
+                copy, pooled = backend.host_copy(tensor, self._pool)
+                host = HostTensor([index], dtype, copy, pooled, _nbytes(copy))
+                buffer.tensors.append(host)
+                buffer.copied[index] = host
         if seen is not None and source is None:
             seen[id(tensor)] = (weakref.ref(tensor), backend.inplace_version(tensor), index)
         sketcher = self._sketcher
@@ -338,8 +356,10 @@ class Recorder:
             device_stats=(
                 backend.stats_to_host(buffer.stats)[order] if buffer.stats else np.zeros((0, len(DEVICE_FIELDS)))
             ),
-            tensors=[(int(position[i]), dtype, copy) for i, dtype, copy in buffer.tensors],
+            tensors=[_renumbered(host, position) for host in buffer.tensors],
             storage_array=backend.storage_array,
+            release=self._release if self._pool is not None else None,
+            copies_ready=backend.host_copies_fence() if buffer.tensors else None,
             **self._sketch_columns(buffer, position),
         )
 
@@ -355,6 +375,17 @@ class Recorder:
         return {"sketch_records": out[order].astype(np.uint32), "sketches": rows[order],
                 "sketch_spec": (spec.buckets, spec.seed)}
 
+    def _release(self, host: HostTensor) -> None:
+        """Sender thread: a tensor is encoded; its pooled buffer serves a later step."""
+        buffer, host.buffer, host.copy = host.buffer, None, None
+        if buffer is not None and self._pool is not None:
+            self._pool.give(buffer, host.nbytes)
+
+    @property
+    def pool(self) -> HostBufferPool | None:
+        """The host buffers of tensor mode (None in statistics mode)."""
+        return self._pool
+
     def discard_step(self) -> None:
         self._buffer = _StepBuffer()
 
@@ -364,6 +395,17 @@ class Recorder:
             handle.remove()
         self._handles.clear()
         self._active = False
+
+
+def _renumbered(host: HostTensor, position: np.ndarray) -> HostTensor:
+    """The host tensor with its records in the order the step goes out (the first stays the one sent)."""
+    host.records = sorted(int(position[i]) for i in host.records)
+    return host
+
+
+def _nbytes(copy: Any) -> int:
+    size = getattr(copy, "nbytes", None)
+    return int(size) if isinstance(size, (int, np.integer)) else int(copy.numel() * copy.element_size())
 
 
 def _recorded(seen: dict[int, _Seen], tensor: Any, version: Callable[[Any], Any]) -> int | None:

@@ -1,11 +1,24 @@
-"""Turn a StepBatch into its wire message (runs on a background thread)."""
+"""Turn a StepBatch into wire messages (runs on the sender thread).
+
+A step goes out as its tensors' pieces (``TensorPiece``, each at most
+``piece_bytes`` of storage) followed by its records (``StepRecords``), which
+complete it on the server.  Pieces are serialized here, by hand around the
+payload, so a tensor's bytes are copied once into the message instead of three
+times through protobuf; the stream's serializer passes such bytes through.
+Compression releases the GIL, so encoding competes with the training thread
+for a core, not for the interpreter.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Iterator, Mapping
+
+import numpy as np
+import zstandard
 
 from twinstep import codec
+from twinstep.capture.buffers import HostTensor
 from twinstep.capture.recorder import StepBatch
 from twinstep.stats import DEVICE_FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
@@ -14,14 +27,21 @@ _COLUMN = {name: i for i, name in enumerate(DEVICE_FIELDS)}
 _COUNTS = ("nan_count", "inf_count")
 #: Dtypes the lossy codec quantises; others travel losslessly.
 _LOSSY_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+#: Storage bytes per piece: big enough that per-message costs vanish, small enough to pipeline.
+DEFAULT_PIECE_BYTES = 4 << 20
+#: How tensors are compressed: "auto" stops compressing a dtype while zstd saves under MIN_SAVING.
+COMPRESSIONS = ("auto", "zstd", "none")
+MIN_SAVING = 0.10
+_PROBE_EVERY = 64  # pieces sent raw under "auto" before zstd is tried on that dtype again
+
+_CLIENT_MESSAGE_TENSOR = (6 << 3) | 2  # ClientMessage.tensor, length-delimited
+_PIECE_DATA = (15 << 3) | 2  # TensorPiece.data, length-delimited
 
 
-def step_message(batch: StepBatch, rank: int, dropped: dict[str, int],
-                 lossy: Mapping[str, pb.LossyBound] | None = None) -> pb.ClientMessage:
+def step_message(batch: StepBatch, rank: int, dropped: dict[str, int], tensor_pieces: int = 0) -> pb.ClientMessage:
     """The StepRecords of one batch; statistics columns absent from the batch (m2 of an older backend) are not sent.
 
-    ``lossy``: the server's per-phase error budgets (Welcome.lossy); tensors of
-    those phases are quantised within them, the others sent losslessly.
+    ``tensor_pieces``: how many TensorPiece messages of this step went out just before it.
     """
     stats = batch.device_stats
     columns = {
@@ -41,19 +61,8 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int],
         dims=batch.dims,
         stats=pb.Statistics(count=batch.count.tolist(), **columns),
         dropped=dropped,
+        tensor_pieces=tensor_pieces,
     )
-    for record, dtype, copy in batch.tensors:
-        raw = batch.storage_array(copy) if batch.storage_array else copy
-        bound = _error_bound(batch, record, dtype, lossy) if lossy else 0.0
-        if bound > 0:
-            kind, data, raw_nbytes, step = codec.encode_quantized(raw, bound, dtype=dtype)
-            payload = pb.TensorPayload(record=record, codec=kind, data=data, raw_nbytes=raw_nbytes)
-            if kind == pb.QUANT_ZSTD:
-                payload.quant_step, payload.error_bound = step, bound
-        else:
-            kind, data, raw_nbytes = codec.encode(raw)
-            payload = pb.TensorPayload(record=record, codec=kind, data=data, raw_nbytes=raw_nbytes)
-        message.tensors.append(payload)
     if batch.sketch_records is not None and len(batch.sketch_records):
         buckets, seed = batch.sketch_spec
         message.sketches.CopyFrom(pb.Sketches(buckets=buckets, seed=seed, record=batch.sketch_records.tolist(),
@@ -61,19 +70,112 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int],
     return pb.ClientMessage(step=message)
 
 
-def _error_bound(batch: StepBatch, record: int, dtype: str, lossy: Mapping[str, pb.LossyBound]) -> float:
-    """The largest error an element of ``record`` may carry (0: send it losslessly).
+class TensorEncoder:
+    """Encodes a step's tensors into serialized TensorPiece messages; one per sender thread (not thread-safe)."""
+
+    def __init__(self, compression: str = "auto", piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {compression!r}")
+        if piece_bytes < 16:
+            raise ValueError(f"piece_bytes must be at least 16, got {piece_bytes}")
+        self.compression = compression
+        self.piece_bytes = piece_bytes
+        self._zstd = zstandard.ZstdCompressor(level=codec.ZSTD_LEVEL)
+        self._raw_until: dict[str, int] = {}  # dtype -> pieces left to send raw ("auto")
+        self.raw_bytes = 0
+        self.wire_bytes = 0
+
+    def pieces(self, batch: StepBatch, host: HostTensor, lossy: Mapping[str, pb.LossyBound] | None) -> list[bytes]:
+        """Every piece of one tensor, serialized as ClientMessage bytes."""
+        raw = batch.storage_array(host.copy) if batch.storage_array else host.copy
+        flat = codec.little_endian(raw).reshape(-1)
+        record, same = host.records[0], host.records[1:]
+        bound = _error_bound(batch, host.records, host.dtype, lossy) if lossy else 0.0
+        per_piece = max(1, self.piece_bytes // max(flat.itemsize, 1))
+        out = []
+        for offset in range(0, max(flat.size, 1), per_piece):
+            part = flat[offset : offset + per_piece]
+            header = pb.TensorPiece(step=batch.step, record=record, offset=offset, numel=part.size,
+                                    raw_nbytes=part.nbytes, same_records=same)
+            if bound > 0:
+                kind, data, _, quant_step = codec.encode_quantized(part, bound, dtype=host.dtype)
+                header.codec = kind
+                if kind == pb.QUANT_ZSTD:
+                    header.quant_step, header.error_bound = quant_step, bound
+            else:
+                header.codec, data = self._lossless(part, host.dtype)
+            self.raw_bytes += part.nbytes
+            wire = _serialize(header, data)
+            self.wire_bytes += len(wire)
+            out.append(wire)
+        return out
+
+    def _lossless(self, part: np.ndarray, dtype: str) -> tuple[int, bytes | memoryview]:
+        view = memoryview(part).cast("B")
+        if self.compression == "none" or not part.nbytes:
+            return pb.RAW, view
+        if self.compression == "auto":
+            left = self._raw_until.get(dtype, 0)
+            if left > 0:
+                self._raw_until[dtype] = left - 1
+                return pb.RAW, view
+        data = self._zstd.compress(view)
+        if self.compression == "auto" and len(data) > (1.0 - MIN_SAVING) * part.nbytes:
+            self._raw_until[dtype] = _PROBE_EVERY  # this one is compressed already; the next ones go raw
+        return pb.ZSTD, data
+
+
+def encoded_pieces(batch: StepBatch, encoder: TensorEncoder, lossy: Mapping[str, pb.LossyBound] | None) -> Iterator[bytes]:
+    """The step's pieces in order, encoding each tensor once (kept on the batch for a resend after a reconnect)."""
+    if batch.copies_ready is not None:
+        batch.copies_ready()
+        batch.copies_ready = None
+    for host in batch.tensors:
+        if host.wire is None:
+            if host.copy is None:  # released without being encoded: nothing to send
+                host.wire = []
+            else:
+                host.wire = encoder.pieces(batch, host, lossy)
+                if batch.release is not None:
+                    batch.release(host)
+        yield from host.wire
+
+
+def _serialize(header: pb.TensorPiece, data: bytes | memoryview) -> bytes:
+    """ClientMessage(tensor=header with data) as bytes, the payload copied once."""
+    head = header.SerializeToString()
+    size = len(data) if isinstance(data, bytes) else data.nbytes
+    data_prefix = bytes([_PIECE_DATA]) + _varint(size)
+    inner = len(head) + len(data_prefix) + size
+    return b"".join((bytes([_CLIENT_MESSAGE_TENSOR]), _varint(inner), head, data_prefix, data))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _error_bound(batch: StepBatch, records: list[int], dtype: str, lossy: Mapping[str, pb.LossyBound]) -> float:
+    """The largest error an element of a tensor may carry (0: send it losslessly).
 
     The server's budget is a fraction of the tensor's RMS, known from the
-    statistics already computed for it, capped by an absolute budget.
+    statistics already computed for it, capped by an absolute budget.  For a
+    tensor several records share, the tightest of their phases' budgets applies.
     """
-    budget = lossy.get(pb.Phase.Name(int(batch.phase[record])).lower())
-    if budget is None or dtype not in _LOSSY_DTYPES:
-        return 0.0
-    row = batch.device_stats[record]
-    finite = batch.count[record] - row[_COLUMN["nan_count"]] - row[_COLUMN["inf_count"]]
-    if finite <= 0:
-        return 0.0
-    rms = math.sqrt(max(float(row[_COLUMN["sum_sq"]]), 0.0) / float(finite))
-    bound = min(budget.rms_fraction * rms, budget.absolute)
+    bounds = []
+    for rec in records:
+        budget = lossy.get(pb.Phase.Name(int(batch.phase[rec])).lower())
+        if budget is None or dtype not in _LOSSY_DTYPES:
+            return 0.0
+        row = batch.device_stats[rec]
+        finite = batch.count[rec] - row[_COLUMN["nan_count"]] - row[_COLUMN["inf_count"]]
+        if finite <= 0:
+            return 0.0
+        rms = math.sqrt(max(float(row[_COLUMN["sum_sq"]]), 0.0) / float(finite))
+        bounds.append(min(budget.rms_fraction * rms, budget.absolute))
+    bound = min(bounds)
     return bound if math.isfinite(bound) and bound > 0 else 0.0

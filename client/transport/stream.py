@@ -24,9 +24,8 @@ from typing import Callable, Iterator
 import grpc
 
 from twinstep.capture.recorder import StepBatch
-from twinstep.transport.messages import step_message
+from twinstep.transport.messages import COMPRESSIONS, DEFAULT_PIECE_BYTES, TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("twinstep")
 
@@ -43,6 +42,11 @@ _FATAL_CODES = frozenset(
     }
 )
 _POLL_SECONDS = 0.2
+_STREAM_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Twinstep'].full_name}/Stream"
+
+
+def _to_wire(message: pb.ClientMessage | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 @dataclass(kw_only=True)
@@ -57,6 +61,11 @@ class StreamConfig:
     """Bytes held (tensor mode); the oldest steps are dropped beyond this."""
     max_message_bytes: int = 256 << 20
     """Largest message sent; larger steps are dropped with reason "oversized"."""
+    compression: str = "auto"
+    """Lossless tensor compression: "zstd", "none", or "auto" (zstd, but a dtype it
+    shrinks by under 10% goes uncompressed: on fast links the CPU matters more)."""
+    piece_bytes: int = DEFAULT_PIECE_BYTES
+    """Tensors travel in messages of at most this many bytes of storage each."""
     backoff_initial: float = 0.5
     """First reconnect delay in seconds; doubles up to ``backoff_max``, with jitter."""
     backoff_max: float = 10.0
@@ -66,6 +75,10 @@ class StreamConfig:
             raise ValueError(f"server must be host:port, got {self.target!r}")
         if self.max_queue_steps < 1:
             raise ValueError("max_queue_steps must be at least 1")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {self.compression!r}")
+        if not 1024 <= self.piece_bytes <= self.max_message_bytes // 2:
+            raise ValueError(f"piece_bytes must be between 1024 and half of max_message_bytes, got {self.piece_bytes}")
 
 
 @dataclass
@@ -74,6 +87,10 @@ class ClientStats:
 
     dropped: dict[str, int] = field(default_factory=dict)
     steps_sent: int = 0
+    tensor_bytes: int = 0
+    """Storage bytes of the full tensors encoded (tensor and lossy modes)."""
+    tensor_wire_bytes: int = 0
+    """Bytes those tensors took on the wire, after compression or quantisation."""
     reconnects: int = 0
     connected: bool = False
     rejected: str = ""
@@ -98,6 +115,7 @@ class StreamClient:
         self._parameters: list[pb.ParameterInfo] = []
         self._init_state()
         self._warned: set[str] = set()
+        self._encoder = TensorEncoder(config.compression, config.piece_bytes)
         if hasattr(os, "register_at_fork"):
             method = weakref.WeakMethod(self._after_fork_in_child)
             os.register_at_fork(after_in_child=lambda: (m := method()) is not None and m())
@@ -238,8 +256,11 @@ class StreamClient:
             attempt_done = threading.Event()
             try:
                 with grpc.insecure_channel(self._config.target, options=options) as channel:
-                    stub = pb_grpc.TwinstepStub(channel)
-                    call = stub.Stream(self._requests(attempt_done))
+                    # Tensor pieces arrive serialized (see messages.py); everything else is a message.
+                    stream = channel.stream_stream(
+                        _STREAM_METHOD, request_serializer=_to_wire, response_deserializer=pb.ServerMessage.FromString
+                    )
+                    call = stream(self._requests(attempt_done))
                     with self._cond:
                         self._call = call
                     for response in call:
@@ -327,22 +348,24 @@ class StreamClient:
             if self._sent > 0:
                 self._sent -= 1
 
-    def _requests(self, attempt_done: threading.Event) -> Iterator[pb.ClientMessage]:
+    def _requests(self, attempt_done: threading.Event) -> Iterator[pb.ClientMessage | bytes]:
         yield pb.ClientMessage(hello=self._hello)
         while True:
             with self._cond:
                 message, batch = self._next_locked(attempt_done)
                 if message is None and batch is None:
                     return
-                dropped = dict(self.stats.dropped)
             if batch is not None:
-                message = step_message(batch, self._hello.rank, dropped, self._lossy)
-                size = message.ByteSize()
+                with self._cond:
+                    dropped = dict(self.stats.dropped)
+                message = step_message(batch, self._hello.rank, dropped)
+                # Checked before any piece goes out: pieces not followed by their records would break the stream.
+                size = message.ByteSize() + 16
                 if size > self._config.max_message_bytes:
                     self._warn_once(
                         "oversized",
-                        "twinstep: step %d is %d bytes, over the %d byte message limit; dropped "
-                        "(capture fewer modules in tensor mode, or use statistics)",
+                        "twinstep: the records of step %d take %d bytes, over the %d byte message limit; dropped "
+                        "(capture fewer modules)",
                         batch.step,
                         size,
                         self._config.max_message_bytes,
@@ -350,11 +373,41 @@ class StreamClient:
                     with self._cond:
                         self._drop("oversized")
                     continue
+                pieces = 0
+                for piece in self._tensor_pieces(batch):
+                    pieces += 1
+                    yield piece
+                    yield from self._control_messages()  # a halt answer need not wait for a large step
+                message.step.tensor_pieces = pieces
                 self.stats.steps_sent += 1
             yield message
             if message.WhichOneof("body") == "close":
                 self._finished.set()
                 return
+
+    def _tensor_pieces(self, batch: StepBatch) -> Iterator[bytes]:
+        """The step's tensor pieces; a tensor that fails to encode is skipped with a warning, never the stream."""
+        encoder = self._encoder
+        raw, wire = encoder.raw_bytes, encoder.wire_bytes
+        try:
+            yield from encoded_pieces(batch, encoder, self._lossy)
+        except Exception:
+            self._warn_once("encode", "twinstep: could not encode a tensor of step %d; its tensors are not sent",
+                            batch.step, exc_info=True)
+            for host in batch.tensors:  # what was sent stays; nothing more of this step is tried
+                if host.wire is None:
+                    host.wire = []
+        finally:
+            self.stats.tensor_bytes += encoder.raw_bytes - raw
+            self.stats.tensor_wire_bytes += encoder.wire_bytes - wire
+
+    def _control_messages(self) -> Iterator[pb.ClientMessage]:
+        while True:
+            with self._cond:
+                if not self._control:
+                    return
+                message = self._control.popleft()
+            yield message
 
     def _next_locked(self, attempt_done: threading.Event) -> tuple[pb.ClientMessage | None, StepBatch | None]:
         """The next thing to send, waiting for one; (None, None) ends the request stream."""
@@ -405,10 +458,10 @@ class StreamClient:
             self._cond.notify_all()
         logger.error("twinstep: the comparison server refused this run (%s); capture stops, training continues", why)
 
-    def _warn_once(self, key: str, message: str, *args: object) -> None:
+    def _warn_once(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning(message, *args)
+            logger.warning(message, *args, exc_info=exc_info)
 
 
 def _log_event(event: pb.Event) -> None:

@@ -366,13 +366,11 @@ def _sketch_metrics(base: StepData, cand: StepData, sketched: list[tuple[int, in
 
 
 def _decode(data: StepData, index: int) -> np.ndarray:
-    payload = data.payloads[index]
-    return codec.decode(payload.codec, payload.data, payload.raw_nbytes, data.dtypes[index], data.shapes[index],
-                        quant_step=payload.quant_step, error_bound=payload.error_bound)
+    return data.payloads[index].decode(data.dtypes[index], data.shapes[index])
 
 
 def _any_lossy(data: StepData, group: list[int]) -> bool:
-    return any(data.payloads[x].codec == pb.QUANT_ZSTD for x in group if x in data.payloads)
+    return any(data.payloads[x].lossy for x in group if x in data.payloads)
 
 
 def _label(phase: int, name: str) -> str:

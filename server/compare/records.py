@@ -9,6 +9,7 @@ import numpy as np
 
 from twinstep import stats
 from twinstep.codec import WIRE_TO_DTYPE
+from twinstep.server.compare.tensors import PieceCollector, TensorData
 from twinstep.server.errors import invalid
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -66,7 +67,8 @@ class StepData:
     dtypes: list[str]
     shapes: list[tuple[int, ...]]
     table: dict[str, np.ndarray]
-    payloads: dict[int, pb.TensorPayload]
+    payloads: dict[int, TensorData]
+    """record index -> its full tensor, for records sent with one."""
     nbytes: int
     sketch_rows: dict[int, int] = field(default_factory=dict)
     """record index -> row of ``sketches``."""
@@ -79,8 +81,11 @@ class StepData:
         return len(self.names)
 
 
-def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
-    """Validate a step against the manifest; raises InputError naming the first problem."""
+def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollector | None = None) -> StepData:
+    """Validate a step against the manifest; raises InputError naming the first problem.
+
+    ``pieces``: the stream's tensor pieces sent ahead of this step (handed over here).
+    """
     n = len(message.phase)
     if n > MAX_RECORDS:
         raise invalid(f"step {message.step} has {n} records, over the limit of {MAX_RECORDS}")
@@ -155,11 +160,18 @@ def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
     table["inf_count"] = np.asarray(message.stats.inf_count, dtype=np.int64)
     table["m2"] = _m2_column(message, table, n)
 
-    payloads: dict[int, pb.TensorPayload] = {}
+    payloads: dict[int, TensorData] = {}
+    counts = count.tolist()
+    if pieces is not None:
+        payloads = pieces.take(message.step, message.tensor_pieces, n, counts)
+    elif message.tensor_pieces:
+        raise invalid(f"step {message.step} announces {message.tensor_pieces} tensor pieces, none arrived")
     for payload in message.tensors:
         if payload.record >= n:
             raise invalid(f"step {message.step}: tensor payload for record {payload.record}, only {n} records")
-        payloads[payload.record] = payload
+        if payload.record in payloads:
+            raise invalid(f"step {message.step}: record {payload.record} has a tensor both inline and in pieces")
+        payloads[payload.record] = TensorData.from_payload(payload, counts[payload.record])
     return StepData(
         step=message.step,
         rank=message.rank,
@@ -172,7 +184,7 @@ def decode_step(message: pb.StepRecords, manifest: Manifest) -> StepData:
         shapes=shapes,
         table=table,
         payloads=payloads,
-        nbytes=message.ByteSize(),
+        nbytes=message.ByteSize() + sum(t.nbytes for t in payloads.values()),
         **_sketches(message, n),
     )
 

@@ -99,3 +99,25 @@ def step(number: int, records: list[tuple[int, np.ndarray]], *, rank: int = 0, p
             kind, data, raw = codec.encode(values)
             message.tensors.append(pb.TensorPayload(record=index, codec=kind, data=data, raw_nbytes=raw))
     return pb.ClientMessage(step=message)
+
+
+def pieces(number: int, records: list[tuple[int, np.ndarray]], *, per_piece: int = 1 << 20) -> list[pb.ClientMessage]:
+    """TensorPiece messages of ``records`` (as in ``step``), each tensor cut into pieces of ``per_piece`` elements."""
+    out = []
+    for index, (_, values) in enumerate(records):
+        flat = np.asarray(values, dtype=np.float32).reshape(-1)
+        for offset in range(0, flat.size, per_piece):
+            part = flat[offset : offset + per_piece]
+            kind, data, raw = codec.encode(part)
+            out.append(pb.ClientMessage(tensor=pb.TensorPiece(
+                step=number, record=index, offset=offset, numel=part.size, codec=kind, raw_nbytes=raw, data=data,
+            )))
+    return out
+
+
+def step_with_pieces(number: int, records: list[tuple[int, np.ndarray]], *, per_piece: int = 1 << 20) -> list[pb.ClientMessage]:
+    """A step as a tensor-mode client sends it: its pieces, then its records announcing them."""
+    sent = pieces(number, records, per_piece=per_piece)
+    records_message = step(number, records)
+    records_message.step.tensor_pieces = len(sent)
+    return sent + [records_message]

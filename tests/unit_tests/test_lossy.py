@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -54,7 +56,7 @@ def test_a_lossy_client_quantises_each_tensor_within_its_phase_budget():
     import torch
 
     from twinstep.capture import CaptureConfig, Recorder, backend_for
-    from twinstep.transport.messages import step_message
+    from twinstep.transport.messages import TensorEncoder, encoded_pieces
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
@@ -65,17 +67,19 @@ def test_a_lossy_client_quantises_each_tensor_within_its_phase_budget():
     batch = recorder.finish_step(0, loss)
     budgets = lossy_bounds(ToleranceConfig())
     del budgets["param"]  # a phase without a budget travels losslessly
-    message = step_message(batch, 0, {}, budgets).step
+    originals = {host.records[0]: batch.storage_array(host.copy).copy() for host in batch.tensors}
+    pieces = [codec.pb.ClientMessage.FromString(wire).tensor for wire in encoded_pieces(batch, TensorEncoder(), budgets)]
     kinds = {}
-    for payload in message.tensors:
-        phase = codec.pb.Phase.Name(message.phase[payload.record]).lower()
+    for payload in pieces:
+        phase = codec.pb.Phase.Name(int(batch.phase[payload.record])).lower()
         kinds.setdefault(phase, set()).add(payload.codec)
         if payload.codec != codec.pb.QUANT_ZSTD:
             continue
         shape = tuple(batch.dims_of(payload.record))
+        assert payload.offset == 0 and payload.numel == math.prod(shape)  # small tensors: one piece each
         decoded = codec.decode(payload.codec, payload.data, payload.raw_nbytes, "float32", shape,
                                quant_step=payload.quant_step, error_bound=payload.error_bound)
-        original = next(batch.storage_array(c) for r, _, c in batch.tensors if r == payload.record)
+        original = originals[payload.record]
         rms = float(np.sqrt(np.mean(original.astype(np.float64) ** 2)))
         assert payload.error_bound == pytest.approx(budgets[phase].rms_fraction * rms, rel=1e-5)
         assert np.abs(decoded - original).max() <= payload.error_bound

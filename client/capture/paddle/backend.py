@@ -11,6 +11,7 @@ import paddle
 
 from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.buffers import HostBufferPool
 from twinstep.capture.paddle.sketch import PaddleSketcher
 from twinstep.sketch import SketchSpec
 
@@ -117,9 +118,20 @@ class PaddleBackend(CaptureBackend):
             rows[indices] = paddle.stack([handles[i] for i in indices]).numpy()
         return rows
 
-    def host_copy(self, tensor: paddle.Tensor) -> np.ndarray:
-        # .numpy() is one device-to-host copy; bfloat16 arrives as its uint16 bits.
-        return tensor.detach().numpy()
+    def host_copy(self, tensor: paddle.Tensor, pool: HostBufferPool | None = None) -> tuple[np.ndarray, Any]:
+        x = tensor.detach()
+        if pool is not None and x.place.is_cpu_place():
+            try:
+                view = np.from_dlpack(x)  # zero-copy; bfloat16 has no numpy dtype and lands below
+            except Exception:
+                view = None
+            if view is not None and view.nbytes:
+                buffer = pool.take(view.nbytes)
+                copy = buffer.view(view.dtype).reshape(view.shape)
+                np.copyto(copy, view)
+                return copy, buffer
+        # .numpy() is one device-to-host copy into fresh memory; bfloat16 arrives as its uint16 bits.
+        return x.numpy(), None
 
     def storage_array(self, copy: np.ndarray) -> np.ndarray:
         return copy

@@ -13,6 +13,7 @@ import torch
 
 from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.buffers import HostBufferPool
 from twinstep.capture.torch.sketch import TorchSketcher
 from twinstep.sketch import SketchSpec
 
@@ -39,6 +40,7 @@ _TORCH_REDUCE_MIN = 1 << 15
 
 class TorchBackend(CaptureBackend):
     framework = "torch"
+    _copies_in_flight = False  # a non-blocking device-to-host copy since the last fence
 
     def framework_version(self) -> str:
         return torch.__version__
@@ -115,9 +117,31 @@ class TorchBackend(CaptureBackend):
             rows[indices] = torch.stack([handles[i] for i in indices]).cpu().numpy()
         return rows
 
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+    def host_copy(self, tensor: torch.Tensor, pool: HostBufferPool | None = None) -> tuple[torch.Tensor, Any]:
         with torch.no_grad():
-            return tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+            t = tensor.detach()
+            nbytes = t.numel() * t.element_size()
+            if pool is None or nbytes == 0:
+                return t.to("cpu", copy=True, memory_format=torch.contiguous_format), None
+            buffer = pool.take(nbytes)
+            copy = buffer.view(t.dtype).view(t.shape)
+            # From an accelerator into pinned memory the copy is asynchronous: host_copies_fence waits for it.
+            copy.copy_(t, non_blocking=t.device.type == "cuda")
+            if t.device.type == "cuda":
+                self._copies_in_flight = True
+            return copy, buffer
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        # Pinned (page-locked) memory only where a CUDA device copies into it asynchronously.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def host_copies_fence(self) -> Callable[[], None] | None:
+        if not self._copies_in_flight:
+            return None
+        self._copies_in_flight = False
+        event = torch.cuda.Event()
+        event.record()  # on the current stream, where the hooks enqueued their copies
+        return event.synchronize
 
     def storage_array(self, copy: torch.Tensor) -> np.ndarray:
         copy = copy.contiguous()

@@ -179,7 +179,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped", "sketches")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped", "sketches", "tensor_pieces")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class StepRecords(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PIECES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -213,7 +214,32 @@ class StepRecords(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     dropped: _containers.ScalarMap[str, int]
     sketches: Sketches
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ...) -> None: ...
+    tensor_pieces: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ...) -> None: ...
+
+class TensorPiece(_message.Message):
+    __slots__ = ("step", "record", "offset", "numel", "codec", "raw_nbytes", "error_bound", "quant_step", "same_records", "data")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_BOUND_FIELD_NUMBER: _ClassVar[int]
+    QUANT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAME_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    record: int
+    offset: int
+    numel: int
+    codec: Codec
+    raw_nbytes: int
+    error_bound: float
+    quant_step: float
+    same_records: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, step: _Optional[int] = ..., record: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., error_bound: _Optional[float] = ..., quant_step: _Optional[float] = ..., same_records: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ("reason", "last_step", "dropped")
@@ -241,18 +267,20 @@ class HaltAck(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., current_step: _Optional[int] = ...) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "manifest", "step", "close", "halt_ack")
+    __slots__ = ("hello", "manifest", "step", "close", "halt_ack", "tensor")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     HALT_ACK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     manifest: Manifest
     step: StepRecords
     close: Close
     halt_ack: HaltAck
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ...) -> None: ...
+    tensor: TensorPiece
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ..., tensor: _Optional[_Union[TensorPiece, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("protocol_version", "last_step_received", "lossy")

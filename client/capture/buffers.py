@@ -1,0 +1,89 @@
+"""Host buffers for tensor mode, reused step after step.
+
+The training thread's only tensor-mode work is one copy per tensor into host
+memory.  A fresh allocation per copy costs page faults and zero-filling on
+top of the copy (a fresh 64 MB clone measured 5.5x a copy into a warm buffer),
+and on CUDA only page-locked (pinned) memory lets the copy run asynchronously.
+Training repeats its shapes every step, so buffers are kept by exact size.
+
+Buffers are taken on the training thread and given back by the sender thread
+once their tensor is encoded, hence the lock.  Free buffers are capped; a
+buffer that is never given back (its step was dropped) is simply garbage
+collected, so a lost ``give`` costs reuse, never memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class HostBufferPool:
+    """Free host buffers by size; ``allocate(nbytes)`` makes a new one."""
+
+    def __init__(self, allocate: Callable[[int], Any], max_free_bytes: int) -> None:
+        self._allocate = allocate
+        self._max_free_bytes = max_free_bytes
+        self._free: dict[int, list[Any]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.stats = PoolStats()
+
+    def take(self, nbytes: int) -> Any:
+        """A buffer of exactly ``nbytes`` bytes, reused when one is free."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._free_bytes -= nbytes
+                self.stats.reused += 1
+                return free.pop()
+            self.stats.allocated += 1
+            self.stats.allocated_bytes += nbytes
+        return self._allocate(nbytes)
+
+    def give(self, buffer: Any, nbytes: int) -> None:
+        """Return a buffer nobody reads any more; kept unless the free cap is reached."""
+        with self._lock:
+            if self._free_bytes + nbytes > self._max_free_bytes:
+                self.stats.discarded += 1
+                return
+            self._free.setdefault(nbytes, []).append(buffer)
+            self._free_bytes += nbytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0
+
+
+@dataclass
+class PoolStats:
+    """How often a copy found a warm buffer."""
+
+    reused: int = 0
+    allocated: int = 0
+    allocated_bytes: int = 0
+    discarded: int = 0
+
+
+@dataclass
+class HostTensor:
+    """A full tensor's host copy, waiting for the sender to encode it.
+
+    ``records`` are the step's record indices holding this very tensor (the
+    first is where it is sent; the others are told they share it).  After
+    encoding, ``wire`` holds the serialized pieces (kept for a resend after a
+    reconnect) and the copy and its buffer are released.
+    """
+
+    records: list[int]
+    dtype: str
+    copy: Any
+    buffer: Any = None
+    nbytes: int = 0
+    wire: list[bytes] | None = field(default=None, repr=False)
