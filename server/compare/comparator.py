@@ -17,8 +17,9 @@ from twinstep import codec, stats
 from twinstep.server.compare import layout, metrics, sketch
 from twinstep.server.compare.lossy import ELEMENTWISE
 from twinstep.server.compare.mapping import FusedRule, NameMapping
+from twinstep.server.compare.plan import Pair, PlanCache, build_plan, gather
 from twinstep.server.compare.records import PHASE_NAMES, StepData
-from twinstep.server.compare.tolerance import METRICS, PRECISION_ORDER, ToleranceConfig, effective_dtype
+from twinstep.server.compare.tolerance import METRICS, ToleranceConfig
 
 if TYPE_CHECKING:
     from twinstep.server.detect.noise import NoiseBands
@@ -64,6 +65,8 @@ class StepComparison:
     """metric -> value per row (aligned with ``rows``), for noise bands and culprit analysis."""
     tolerance: dict[str, np.ndarray] = field(default_factory=dict)
     """metric -> tolerance per row (aligned with ``rows``), for headroom."""
+    keys: list[tuple[str, str, int, int]] = field(default_factory=list)
+    """(phase, baseline name, call index, slot) per row: the record across steps."""
 
     @property
     def first(self) -> Row | None:
@@ -84,63 +87,60 @@ class CompareContext:
     """Either run multiplies float32 matrices in TF32: float32 records get tf32 tolerances."""
 
 
+#: Join plans of every session of this server (twinstep.server.compare.plan).
+PLANS = PlanCache()
+
+
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
-    pairs, fused_rules, unmatched_baseline, unmatched_candidate = _join(base, cand, ctx.mapping)
+    """Compare every joined record of one step: numpy over the step's statistics, a loop only over
+    records with full tensors, sketches or fused parts; what does not change between steps is planned once."""
+    plan = PLANS.get(
+        (base.layout, cand.layout, id(ctx.mapping), id(ctx.tolerances), ctx.base_framework, ctx.cand_framework,
+         ctx.tf32),
+        (ctx.mapping, ctx.tolerances),
+        lambda: build_plan(base, cand, _join, mapping=ctx.mapping, tolerances=ctx.tolerances,
+                           base_framework=ctx.base_framework, cand_framework=ctx.cand_framework, tf32=ctx.tf32,
+                           group_name=_group_name),
+    )
     result = StepComparison(
         step=base.step,
         rank=base.rank,
         candidate_run=ctx.candidate_run,
         rows=[],
-        unmatched_baseline=_dedupe(unmatched_baseline),
-        unmatched_candidate=_dedupe(unmatched_candidate),
+        unmatched_baseline=_dedupe(plan.unmatched_baseline),
+        unmatched_candidate=_dedupe(plan.unmatched_candidate),
     )
+    pairs = plan.pairs
     if not pairs:
         return result
 
-    ib = np.fromiter((group[0] for group, _ in pairs), dtype=np.int64, count=len(pairs))
-    base_table = _gather(base.table, [g for g, _ in pairs])
-    cand_table = _gather(cand.table, [g for _, g in pairs])
+    base_table = gather(base.table, plan.gather_base)
+    cand_table = gather(cand.table, plan.gather_cand)
     values = metrics.from_statistics(base_table, cand_table)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.nan_to_num(stats.rms(cand_table) / stats.rms(base_table), nan=1.0, posinf=np.inf)
-    for name in ("shape", "rel_l2", "cosine", "max_abs", "sketch_rel_l2", "sketch_cosine"):
+    for name in ("rel_l2", "cosine", "max_abs", "sketch_rel_l2", "sketch_cosine"):
         values[name] = np.zeros(len(pairs))
-    sketched: list[tuple[int, int, int]] = []  # (pair, base record, candidate record)
-    if base.sketches is not None and cand.sketches is not None and base.sketch_spec != cand.sketch_spec:
-        result.errors.append(f"step {base.step} rank {base.rank}: the runs' sketches use other buckets or seeds "
-                             f"({base.sketch_spec} vs {cand.sketch_spec}); sketches not compared")
-    sketches = base.sketch_spec == cand.sketch_spec and base.sketches is not None and cand.sketches is not None
+    values["shape"] = plan.shape_mismatch.copy()
 
-    for k, (base_group, cand_group) in enumerate(pairs):
-        rule = fused_rules.get(base_group[0])
-        if rule is not None:
-            # Fused on one side: statistics merge exactly; full tensors need the parts combined.
-            try:
-                fused = _fused_metrics(base, cand, base_group, cand_group, rule, ctx)
-            except codec.PayloadError as exc:
-                group = _group_name([base.names[x] for x in base_group])
-                result.errors.append(f"step {base.step} rank {base.rank} {group!r}: {exc}")
+    for k in plan.fused_pairs:
+        base_group, cand_group = pairs[k]
+        # Fused on one side: statistics merge exactly; full tensors need the parts combined.
+        try:
+            fused = _fused_metrics(base, cand, base_group, cand_group, plan.fused_rules[base_group[0]], ctx)
+        except codec.PayloadError as exc:
+            group = _group_name([base.names[x] for x in base_group])
+            result.errors.append(f"step {base.step} rank {base.rank} {group!r}: {exc}")
+            continue
+        if fused is None:
+            values["shape"][k] = 1.0
+        for name, value in (fused or {}).items():
+            values[name][k] = value
+
+    if base.payloads and cand.payloads:
+        for k, i, j, transpose in plan.tensor_pairs:
+            if i not in base.payloads or j not in cand.payloads:
                 continue
-            if fused is None:
-                values["shape"][k] = 1.0
-            for name, value in (fused or {}).items():
-                values[name][k] = value
-            continue
-        i, j = base_group[0], cand_group[0]
-        transpose = int(base.phase[i]) in _PARAM_PHASES and layout.needs_transpose(
-            (ctx.base_framework, base.types[i], base.names[i]), (ctx.cand_framework, cand.types[j], cand.names[j])
-        )
-        if not layout.shapes_compatible(base.shapes[i], cand.shapes[j], transpose):
-            permuted = sorted(base.shapes[i]) == sorted(cand.shapes[j]) and ctx.mapping.is_permuted(base.names[i])
-            if not permuted:
-                values["shape"][k] = 1.0
-            continue
-        if sketches and i in base.sketch_rows and j in cand.sketch_rows and not (i in base.payloads and j in cand.payloads):
-            # Both keyed by the canonical index (a transposed layout was sketched as its transpose).
-            canonical = tuple(reversed(cand.shapes[j])) if transpose else cand.shapes[j]
-            if canonical == base.shapes[i]:
-                sketched.append((k, i, j))
-        if i in base.payloads and j in cand.payloads:
             try:
                 a = _decode(base, i)
                 b = _decode(cand, j)
@@ -151,70 +151,66 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
             for name, value in metrics.from_tensors(a, b).items():
                 values[name][k] = value
 
-    if sketched:
-        _sketch_metrics(base, cand, sketched, values)
+    if base.sketches is not None and cand.sketches is not None:
+        if base.sketch_spec != cand.sketch_spec:
+            result.errors.append(f"step {base.step} rank {base.rank}: the runs' sketches use other buckets or "
+                                 f"seeds ({base.sketch_spec} vs {cand.sketch_spec}); sketches not compared")
+        else:
+            sketched = [
+                (k, i, j) for k, i, j in plan.sketch_pairs
+                if i in base.sketch_rows and j in cand.sketch_rows and not (i in base.payloads and j in cand.payloads)
+            ]
+            if sketched:
+                _sketch_metrics(base, cand, sketched, values)
 
-    names = [_group_name([base.names[x] for x in group]) for group, _ in pairs]
-    keys = [(PHASE_NAMES[int(base.phase[i])], names[k], int(base.call_index[i]), int(base.slot[i])) for k, i in enumerate(ib.tolist())]
-    tolerance = {m: np.empty(len(pairs)) for m in METRICS}
-    judged_as: list[str] = []
-    # The runs' arithmetic: a float32 record computed from bfloat16 products carries their rounding.
-    arithmetic = effective_dtype(*set(base.dtypes), *set(cand.dtypes), "tf32" if ctx.tf32 else "float32")
-    for k, (base_group, cand_group) in enumerate(pairs):
-        i = base_group[0]
-        dtype = base.dtypes[i]
-        if dtype in PRECISION_ORDER:
-            dtype = effective_dtype(dtype, cand.dtypes[cand_group[0]], arithmetic)
-        judged_as.append(dtype)
-        limits = ctx.tolerances.for_record(keys[k][0], base.names[i], dtype)
-        # Only noise bands tighten tolerances, so only then does a lossy payload matter here.
-        lossy = ctx.noise is not None and (_any_lossy(base, base_group) or _any_lossy(cand, cand_group))
-        for m in METRICS:
-            limit = limits[m]
-            if ctx.noise is not None and m not in ("shape", "nonfinite") and np.isfinite(limit):
-                banded = ctx.noise.tolerance(keys[k], m, limit)
-                # A lossy payload resolves element-wise differences only down to the tolerance
-                # its error budget was derived from (server/compare/lossy.py).
-                limit = max(banded, limit) if lossy and m in ELEMENTWISE else banded
-            tolerance[m][k] = limit
+    limits = plan.limits
+    bands = None
+    if ctx.noise is not None:
+        banded, bands = ctx.noise.banded(ctx.noise.rows(plan.keys), limits)
+        limits = np.where(plan.bandable, banded, limits)
+        # A lossy payload resolves element-wise differences only down to the tolerance its
+        # error budget was derived from (server/compare/lossy.py): never tighter than that there.
+        lossy = _lossy_pairs(base, cand, pairs)
+        if lossy.any():
+            elementwise = np.array([m in ELEMENTWISE for m in METRICS])[:, None] & lossy[None, :]
+            limits = np.where(elementwise & plan.bandable, np.maximum(limits, plan.limits), limits)
+    tolerance = {m: limits[c] for c, m in enumerate(METRICS)}
     result.values = values
     result.tolerance = tolerance
-    over = np.stack([values[m] > tolerance[m] for m in METRICS])
+    result.keys = plan.keys
+
+    value_matrix = np.stack([values[m] for m in METRICS])
+    over = value_matrix > limits
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.stack(
-            [np.where(tolerance[m] > 0, values[m] / tolerance[m], np.where(values[m] > 0, np.inf, 0.0)) for m in METRICS]
-        )
+        ratio = np.where(limits > 0, value_matrix / limits, np.where(value_matrix > 0, np.inf, 0.0))
     ratio = np.nan_to_num(ratio, nan=0.0)
     worst = np.argmax(np.where(over, np.inf, ratio), axis=0)
     # Among exceeded metrics prefer the one exceeded most.
     worst_over = np.argmax(np.where(over, ratio, -1.0), axis=0)
     divergent = over.any(axis=0)
-    for k, (base_group, cand_group) in enumerate(pairs):
-        i = base_group[0]
-        m = METRICS[int(worst_over[k] if divergent[k] else worst[k])]
-        band = ctx.noise.band(keys[k]) if ctx.noise is not None else None
-        result.rows.append(
-            Row(
-                phase=keys[k][0],
-                name=names[k],
-                candidate_name=_group_name([cand.names[x] for x in cand_group]),
-                type=base.types[i],
-                call_index=int(base.call_index[i]),
-                slot=int(base.slot[i]),
-                metric=m,
-                value=float(values[m][k]),
-                tolerance=float(tolerance[m][k]),
-                divergent=bool(divergent[k]),
-                ndim=len(base.shapes[i]),
-                scale=float(scale[k]),
-                noise=band.get(m, 0.0) if band is not None else -1.0,
-                dtype=judged_as[k],
-            )
+    chosen = np.where(divergent, worst_over, worst)
+    columns = np.arange(len(pairs))
+    chosen_value = value_matrix[chosen, columns].tolist()
+    chosen_tolerance = limits[chosen, columns].tolist()
+    chosen_noise = bands[chosen, columns].tolist() if bands is not None else [-1.0] * len(pairs)
+    result.rows = [
+        Row(phase, name, cand_name, type_, call, slot, METRICS[m], value, limit, bad, ndim, factor, noise, dtype)
+        for (phase, name, cand_name, type_, call, slot, ndim, dtype), m, value, limit, bad, factor, noise in zip(
+            plan.static_rows, chosen.tolist(), chosen_value, chosen_tolerance, divergent.tolist(), scale.tolist(),
+            chosen_noise,
         )
+    ]
     return result
 
 
-Pair = tuple[list[int], list[int]]
+def _lossy_pairs(base: StepData, cand: StepData, pairs: list[Pair]) -> np.ndarray:
+    """Pairs with a quantised payload on either side."""
+    out = np.zeros(len(pairs), dtype=bool)
+    if not (any(t.lossy for t in base.payloads.values()) or any(t.lossy for t in cand.payloads.values())):
+        return out
+    for k, (base_group, cand_group) in enumerate(pairs):
+        out[k] = _any_lossy(base, base_group) or _any_lossy(cand, cand_group)
+    return out
 
 
 def _fused_metrics(
@@ -323,20 +319,6 @@ def _split(phase: int, name: str) -> tuple[str, str]:
         module, local = name.rsplit(".", 1)
         return module, "." + local
     return name, ""
-
-
-def _gather(table: dict[str, np.ndarray], groups: list[list[int]]) -> dict[str, np.ndarray]:
-    """Rows of ``table`` per group, parts of a group merged (exact for concatenations)."""
-    if all(len(g) == 1 for g in groups):
-        index = np.fromiter((g[0] for g in groups), dtype=np.int64, count=len(groups))
-        return {k: v[index] for k, v in table.items()}
-    flat = np.fromiter((i for g in groups for i in g), dtype=np.int64)
-    starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
-    out = {}
-    for name, values in table.items():
-        reduce = np.minimum if name == "min" else np.maximum if name in ("max", "abs_max") else np.add
-        out[name] = reduce.reduceat(values[flat], starts)
-    return out
 
 
 def _group_name(names: list[str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -79,6 +80,13 @@ class StepData:
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @functools.cached_property
+    def layout(self) -> tuple:
+        """Everything about the records that stays the same from step to step of one training (compared
+        exactly, not by hash): the key of the join plans in twinstep.server.compare.plan."""
+        return (tuple(self.names), tuple(self.types), self.phase.tobytes(), self.call_index.tobytes(),
+                self.slot.tobytes(), tuple(self.dtypes), tuple(self.shapes))
 
 
 def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollector | None = None) -> StepData:

@@ -14,37 +14,75 @@ from __future__ import annotations
 import numpy as np
 
 from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.compare.tolerance import METRICS
 
 #: Key of a record across steps: (phase, baseline name, call index, slot).
 Key = tuple[str, str, int, int]
 
 
 class NoiseBands:
+    """Per record key, the largest finite value of each metric seen between baseline and reference.
+
+    Bands are rows of one array (columns in METRICS order), so a step's records
+    are folded in and turned into tolerances with numpy, not per record.
+    """
+
     def __init__(self, multiple: float, floor_fraction: float) -> None:
         self.multiple = multiple
         self.floor_fraction = floor_fraction
-        self._bands: dict[Key, dict[str, float]] = {}
+        self._index: dict[Key, int] = {}
+        self._bands = np.zeros((0, len(METRICS)))
         self.steps: set[int] = set()
 
     def add(self, comparison: StepComparison) -> None:
         """Record a reference run's metric values for one step."""
         self.steps.add(comparison.step)
-        for k, row in enumerate(comparison.rows):
-            band = self._bands.setdefault(row_key(row), {})
-            for metric, values in comparison.values.items():
-                value = float(values[k])
-                if np.isfinite(value) and value > band.get(metric, 0.0):
-                    band[metric] = value
+        if not comparison.rows:
+            return
+        keys = comparison.keys or [row_key(row) for row in comparison.rows]
+        for key in keys:
+            if key not in self._index:
+                self._index[key] = len(self._index)
+        if len(self._index) > len(self._bands):
+            grown = np.zeros((max(len(self._index), 2 * len(self._bands)), len(METRICS)))
+            grown[: len(self._bands)] = self._bands
+            self._bands = grown
+        rows = self.rows(keys)
+        values = np.zeros((len(keys), len(METRICS)))
+        for c, metric in enumerate(METRICS):
+            if metric in comparison.values:
+                values[:, c] = comparison.values[metric]
+        current = self._bands[rows]
+        self._bands[rows] = np.where(np.isfinite(values) & (values > current), values, current)
+
+    def rows(self, keys: list[Key]) -> np.ndarray:
+        """Band row of each key; -1 where no band exists yet."""
+        index = self._index
+        return np.fromiter((index.get(key, -1) for key in keys), dtype=np.int64, count=len(keys))
 
     def band(self, key: Key) -> dict[str, float] | None:
-        return self._bands.get(key)
+        row = self._index.get(key)
+        if row is None:
+            return None
+        return {m: float(v) for m, v in zip(METRICS, self._bands[row]) if v > 0}
 
     def tolerance(self, key: Key, metric: str, default: float) -> float:
         """multiple x band, at least floor_fraction x the default; the default where no band exists."""
-        band = self._bands.get(key)
-        if band is None:
+        row = self._index.get(key)
+        if row is None:
             return default
-        return max(self.multiple * band.get(metric, 0.0), self.floor_fraction * default)
+        return max(self.multiple * float(self._bands[row, METRICS.index(metric)]), self.floor_fraction * default)
+
+    def banded(self, rows: np.ndarray, defaults: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised ``tolerance`` for ``rows`` (from :meth:`rows`) and defaults [len(METRICS), n].
+
+        Returns (tolerances, bands), both [len(METRICS), n]; bands are -1 where no band exists.
+        """
+        known = rows >= 0
+        bands = np.where(known, self._bands[np.where(known, rows, 0)].T, -1.0)
+        with np.errstate(invalid="ignore"):
+            tightened = np.maximum(self.multiple * np.maximum(bands, 0.0), self.floor_fraction * defaults)
+        return np.where(known, tightened, defaults), bands
 
 
 def row_key(row: Row) -> Key:

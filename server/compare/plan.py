@@ -1,0 +1,180 @@
+"""What comparing two runs' steps needs that does not change from step to step.
+
+A training records the same modules in the same order every step, so the
+join of the two runs' records, the names, the layouts, the shape checks and
+the configured tolerances depend only on the pair of record layouts (names,
+phases, calls, slots, dtypes, shapes) and the session's mapping and
+tolerances.  They are computed once per layout pair and reused: what is left
+per step is numpy over the step's statistics plus the records that carry full
+tensors or sketches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from twinstep.server.compare import layout
+from twinstep.server.compare.mapping import FusedRule, NameMapping
+from twinstep.server.compare.records import PHASE_NAMES, StepData
+from twinstep.server.compare.tolerance import METRICS, PRECISION_ORDER, ToleranceConfig, effective_dtype
+
+_PARAM_PHASES = frozenset(p for p, name in PHASE_NAMES.items() if name in ("grad", "param"))
+#: Plans kept (most recently used); a session needs one per candidate run and rank.
+MAX_PLANS = 256
+
+Pair = tuple[list[int], list[int]]
+Key = tuple[str, str, int, int]
+
+
+@dataclass
+class JoinPlan:
+    """The static part of comparing one baseline layout with one candidate layout."""
+
+    pairs: list[Pair]
+    fused_rules: dict[int, FusedRule]
+    unmatched_baseline: list[str]
+    unmatched_candidate: list[str]
+    base_index: np.ndarray
+    """First baseline record of each pair."""
+    gather_base: tuple[np.ndarray, np.ndarray | None]
+    gather_cand: tuple[np.ndarray, np.ndarray | None]
+    """(flat record indices, reduceat starts or None when every group has one record)."""
+    names: list[str]
+    keys: list[Key]
+    static_rows: list[tuple[Any, ...]]
+    """Per pair: (phase, name, candidate name, type, call index, slot, ndim, dtype judged as)."""
+    fused_pairs: list[int]
+    """Pairs with a fused rule (statistics merged; full tensors combined per step)."""
+    shape_mismatch: np.ndarray
+    """1.0 where a 1:1 pair's shapes cannot match (and the mapping does not declare a permutation)."""
+    tensor_pairs: list[tuple[int, int, int, bool]]
+    """(pair, base record, candidate record, transpose) of 1:1 pairs whose full tensors can be compared."""
+    sketch_pairs: list[tuple[int, int, int]]
+    """(pair, base record, candidate record) whose sketches are keyed alike."""
+    limits: np.ndarray
+    """Configured tolerance [len(METRICS), pairs], before noise bands."""
+    bandable: np.ndarray
+    """[len(METRICS), pairs]: where a noise band may replace the configured tolerance."""
+
+
+class PlanCache:
+    """Bounded LRU of join plans, shared by the sessions of a server (thread-safe)."""
+
+    def __init__(self, size: int = MAX_PLANS) -> None:
+        self._size = size
+        self._plans: OrderedDict[tuple, tuple[JoinPlan, tuple]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple, pins: tuple, build: Callable[[], JoinPlan]) -> JoinPlan:
+        """The plan for ``key``, built on a miss; ``pins`` are objects whose id is in the key (kept alive with it)."""
+        with self._lock:
+            found = self._plans.get(key)
+            if found is not None:
+                self._plans.move_to_end(key)
+                self.hits += 1
+                return found[0]
+        plan = build()
+        with self._lock:
+            self.misses += 1
+            self._plans[key] = (plan, pins)
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
+        return plan
+
+
+def build_plan(
+    base: StepData,
+    cand: StepData,
+    join: Callable[[StepData, StepData, NameMapping], tuple[list[Pair], dict[int, FusedRule], list[str], list[str]]],
+    *,
+    mapping: NameMapping,
+    tolerances: ToleranceConfig,
+    base_framework: str,
+    cand_framework: str,
+    tf32: bool,
+    group_name: Callable[[list[str]], str],
+) -> JoinPlan:
+    pairs, fused_rules, unmatched_baseline, unmatched_candidate = join(base, cand, mapping)
+    n = len(pairs)
+    base_index = np.fromiter((group[0] for group, _ in pairs), dtype=np.int64, count=n)
+    names = [group_name([base.names[x] for x in group]) for group, _ in pairs]
+    keys = [(PHASE_NAMES[int(base.phase[i])], names[k], int(base.call_index[i]), int(base.slot[i]))
+            for k, i in enumerate(base_index.tolist())]
+    shape_mismatch = np.zeros(n)
+    tensor_pairs: list[tuple[int, int, int, bool]] = []
+    sketch_pairs: list[tuple[int, int, int]] = []
+    for k, (base_group, cand_group) in enumerate(pairs):
+        if base_group[0] in fused_rules:
+            continue
+        i, j = base_group[0], cand_group[0]
+        transpose = int(base.phase[i]) in _PARAM_PHASES and layout.needs_transpose(
+            (base_framework, base.types[i], base.names[i]), (cand_framework, cand.types[j], cand.names[j])
+        )
+        if not layout.shapes_compatible(base.shapes[i], cand.shapes[j], transpose):
+            permuted = sorted(base.shapes[i]) == sorted(cand.shapes[j]) and mapping.is_permuted(base.names[i])
+            if not permuted:
+                shape_mismatch[k] = 1.0
+            continue
+        tensor_pairs.append((k, i, j, transpose))
+        # Sketches are keyed by the canonical index (a transposed layout was sketched as its transpose).
+        canonical = tuple(reversed(cand.shapes[j])) if transpose else cand.shapes[j]
+        if canonical == base.shapes[i]:
+            sketch_pairs.append((k, i, j))
+
+    # The runs' arithmetic: a float32 record computed from bfloat16 products carries their rounding.
+    arithmetic = effective_dtype(*set(base.dtypes), *set(cand.dtypes), "tf32" if tf32 else "float32")
+    limits = np.empty((len(METRICS), n))
+    static_rows = []
+    for k, (base_group, cand_group) in enumerate(pairs):
+        i = base_group[0]
+        dtype = base.dtypes[i]
+        if dtype in PRECISION_ORDER:
+            dtype = effective_dtype(dtype, cand.dtypes[cand_group[0]], arithmetic)
+        limits[:, k] = [tolerances.for_record(keys[k][0], base.names[i], dtype)[m] for m in METRICS]
+        static_rows.append((keys[k][0], names[k], group_name([cand.names[x] for x in cand_group]), base.types[i],
+                            keys[k][2], keys[k][3], len(base.shapes[i]), dtype))
+    exact = np.array([m in ("shape", "nonfinite") for m in METRICS])[:, None]
+    return JoinPlan(
+        pairs=pairs,
+        fused_rules=fused_rules,
+        unmatched_baseline=unmatched_baseline,
+        unmatched_candidate=unmatched_candidate,
+        base_index=base_index,
+        gather_base=_gather_index([g for g, _ in pairs]),
+        gather_cand=_gather_index([g for _, g in pairs]),
+        names=names,
+        keys=keys,
+        static_rows=static_rows,
+        fused_pairs=[k for k, (group, _) in enumerate(pairs) if group[0] in fused_rules],
+        shape_mismatch=shape_mismatch,
+        tensor_pairs=tensor_pairs,
+        sketch_pairs=sketch_pairs,
+        limits=limits,
+        bandable=~exact & np.isfinite(limits),
+    )
+
+
+def _gather_index(groups: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
+    flat = np.fromiter((i for g in groups for i in g), dtype=np.int64)
+    if len(flat) == len(groups):
+        return flat, None
+    return flat, np.cumsum([0] + [len(g) for g in groups[:-1]]).astype(np.int64)
+
+
+def gather(table: dict[str, np.ndarray], index: tuple[np.ndarray, np.ndarray | None]) -> dict[str, np.ndarray]:
+    """Rows of ``table`` per pair, parts of a fused group merged (exact for concatenations)."""
+    flat, starts = index
+    if starts is None:
+        return {k: v[flat] for k, v in table.items()}
+    out = {}
+    for name, values in table.items():
+        reduce = np.minimum if name == "min" else np.maximum if name in ("max", "abs_max") else np.add
+        out[name] = reduce.reduceat(values[flat], starts)
+    return out

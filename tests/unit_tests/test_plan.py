@@ -1,0 +1,90 @@
+"""Join plans: computed once per pair of record layouts, never reused for another layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.unit_tests.test_comparator import Rec, ctx, decoded, model_records
+from twinstep.server.compare import comparator
+from twinstep.server.compare.comparator import compare_step
+from twinstep.server.compare.plan import PlanCache
+from twinstep.server.detect.noise import NoiseBands
+from twinstep.server.compare.tolerance import METRICS
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """A private, empty plan cache (the module's is shared by every test)."""
+    cache = PlanCache()
+    monkeypatch.setattr(comparator, "PLANS", cache)
+    return cache
+
+
+def _rows(result):
+    return [dataclasses.astuple(r) for r in result.rows]
+
+
+def test_a_warm_plan_gives_the_same_comparison_as_a_cold_one(plans):
+    context = ctx()
+    first = compare_step(decoded(model_records(0)), decoded(model_records(1)), context)
+    assert (plans.misses, plans.hits) == (1, 0)
+    again = compare_step(decoded(model_records(0)), decoded(model_records(1)), context)
+    assert (plans.misses, plans.hits) == (1, 1)
+    assert _rows(again) == _rows(first)
+    plans._plans.clear()
+    cold = compare_step(decoded(model_records(0)), decoded(model_records(1)), context)
+    assert _rows(cold) == _rows(first) and plans.misses == 2
+
+
+def test_a_changed_shape_gets_a_new_plan_and_is_seen(plans):
+    context = ctx()
+    base = model_records(0)
+    assert compare_step(decoded(base), decoded(model_records(0)), context).first is None
+    cand = model_records(0)
+    cand[1] = Rec("forward", "layers.0", np.zeros((2, 4, 9), np.float32))
+    result = compare_step(decoded(base), decoded(cand), context)
+    assert plans.misses == 2
+    assert (result.first.name, result.first.metric) == ("layers.0", "shape")
+
+
+def test_a_changed_dtype_gets_a_new_plan_and_its_tolerances(plans):
+    context = ctx()
+    base = model_records(0)
+    fp32 = compare_step(decoded(base), decoded(model_records(0)), context)
+    bf16 = [dataclasses.replace(r, dtype="bfloat16") for r in model_records(0)]
+    low = compare_step(decoded(base), decoded(bf16), context)
+    assert plans.misses == 2
+    assert {r.dtype for r in fp32.rows} == {"float32"} and {r.dtype for r in low.rows} == {"bfloat16"}
+    assert all(b.tolerance >= a.tolerance for a, b in zip(fp32.rows, low.rows))
+
+
+def test_another_mapping_gets_another_plan(plans):
+    from twinstep.server.compare.mapping import NameMapping
+
+    base, cand = decoded(model_records(0)), decoded(model_records(0, prefix="model."))
+    unmapped = compare_step(base, cand, ctx())
+    mapped = compare_step(base, cand, ctx(mapping=NameMapping(prefix=[("model.", "")])))
+    assert unmapped.unmatched_candidate and not mapped.unmatched_candidate
+    assert plans.misses == 2
+
+
+def test_vectorised_noise_bands_equal_the_per_record_rule():
+    rng = np.random.default_rng(3)
+    bands = NoiseBands(multiple=5.0, floor_fraction=0.01)
+    keys = [("forward", f"m{i}", 0, 0) for i in range(40)]
+    known = keys[:25]
+    comparison = comparator.StepComparison(step=0, rank=0, candidate_run="ref", rows=[object()] * len(known),
+                                           keys=known)
+    comparison.values = {m: np.where(rng.random(len(known)) < 0.2, np.nan, rng.random(len(known)) * 1e-5)
+                         for m in METRICS}
+    bands.add(comparison)
+    defaults = rng.random((len(METRICS), len(keys))) * 1e-3
+    tolerances, band = bands.banded(bands.rows(keys), defaults)
+    for k, key in enumerate(keys):
+        for c, metric in enumerate(METRICS):
+            assert tolerances[c, k] == bands.tolerance(key, metric, defaults[c, k])
+            expected_band = bands.band(key)
+            assert band[c, k] == (-1.0 if expected_band is None else expected_band.get(metric, 0.0))
