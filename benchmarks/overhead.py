@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--framework torch|paddle|both] [--hidden 256 [1024 ...]]
                                   [--steps 20] [--block 5] [--warmup 2] [--tensors] [--control]
-                                  [--no-peer]
+                                  [--no-peer] [--sustained STEPS]
 
 Every row trains the demo transformer at issue 4's reference size (4 layers,
 hidden 256 unless --hidden says otherwise, seq 128, batch 8, CPU, one thread)
@@ -11,6 +11,8 @@ it differs:
 
     unhooked            no tool
     twinstep stats      twinstep.attach(capture="stats")
+    twinstep stats, compiled   the same with torch's statistics kernel compiled
+                        before the first step (a long run's steady state)   torch only
     twinstep tensors    twinstep.attach(capture="tensors")          (--tensors)
     twinstep lossy      twinstep.attach(capture="lossy")            (--tensors)
     unhooked again      no tool, in a second process: the noise floor  (--control)
@@ -29,6 +31,10 @@ in its own process, as in production.  A row's ratio is its median step time
 over the unhooked row's; "rounds" is the range of that ratio over the rounds;
 "cpu ratio" is the same for the process's CPU time per step, which other jobs
 on the machine disturb far less than wall time.
+With ``--sustained STEPS`` the unhooked row and each tensor row then train
+alone for STEPS steps back to back, with no pause for background work: a
+tensor row whose sending cannot keep up with the training shows it there,
+as dropped steps and a long wait for the outbox after the last step.
 msprobe's dump directory is a temporary one: its size per step is reported,
 then it is deleted.
 
@@ -84,11 +90,16 @@ class Row:
 
 UNHOOKED = Row("unhooked", "none")
 TWINSTEP_STATS = Row("twinstep stats", "twinstep", "stats")
+# torch's statistics kernel compiles in the background once large tensors have cost 10 s of
+# eager time: a long run's steady state.  This row compiles it before its first step.
+TWINSTEP_COMPILED = Row("twinstep stats, compiled", "twinstep", "stats-compiled")
 
 
 def rows_for(framework: str, tensors: bool, peer: bool, control: bool = False) -> list[Row]:
     """The rows measured for one framework; msprobe's debugger used here is torch's."""
     rows = [UNHOOKED, TWINSTEP_STATS]
+    if framework == "torch":
+        rows.append(TWINSTEP_COMPILED)
     if control:
         rows.insert(1, Row("unhooked again", "none"))
     if tensors:
@@ -135,14 +146,23 @@ class _Tool:
     def settle(self) -> None:
         """After a block, untimed: finish background work so it cannot run into the next row's block."""
 
+    def dropped(self) -> int:
+        return 0
+
     def close(self) -> dict[str, Any]:
         return {}
 
 
 class _Twinstep(_Tool):
-    def __init__(self, model: Any, framework: str, capture: str, server: str) -> None:
+    def __init__(self, model: Any, framework: str, mode: str, server: str) -> None:
         import twinstep
 
+        capture, _, compiled = mode.partition("-")
+        if compiled:
+            from twinstep.capture.torch.backend import _FUSED
+
+            if not _FUSED.compile_now():
+                raise RuntimeError("torch.compile of the statistics kernel failed")
         self.mon = twinstep.attach(model, session=f"bench-{framework}-{capture}-{time.time()}", run=framework,
                                    baseline=True, server=server, capture=capture)
 
@@ -160,6 +180,9 @@ class _Twinstep(_Tool):
             time.sleep(0.005)
         self.drain_s += time.perf_counter() - start
         self.blocks += 1
+
+    def dropped(self) -> int:
+        return sum(self.mon.stats.dropped.values())
 
     def close(self) -> dict[str, Any]:
         self.mon.close()
@@ -226,8 +249,9 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
     conn.send(("ready", None))
     while True:
         kind, payload = conn.recv()
-        if kind == "steps":
+        if kind in ("steps", "sustained"):
             times, cpu, losses = [], [], []
+            dropped_before = tool.dropped()
             for step in payload:
                 ids, tgt = spec.batch(step, 0, cfg)
                 start, start_cpu = time.perf_counter(), time.process_time()
@@ -238,8 +262,14 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
                 times.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
                 losses.append(float(loss.item()))
-            tool.settle()
-            conn.send(("times", (times, cpu, losses)))
+            if kind == "steps":
+                tool.settle()
+                conn.send(("times", (times, cpu, losses)))
+            else:  # sustained: no pause for the background work; it runs into the next steps
+                dropped = tool.dropped() - dropped_before
+                start = time.perf_counter()
+                tool.settle()
+                conn.send(("times", (times, cpu, {"dropped": dropped, "drain_s": time.perf_counter() - start})))
         else:
             conn.send(("summary", tool.close()))
             return
@@ -294,7 +324,7 @@ class Worker:
 
 
 def measure(framework: str, cfg: spec.ModelConfig, rows: list[Row], server: str, steps: int, block: int,
-            warmup: int, tmp: str) -> tuple[list[Worker], dict[Row, dict[str, Any]], list[str]]:
+            warmup: int, tmp: str, sustained: int = 0) -> tuple[list[Worker], dict[Row, dict[str, Any]], list[str]]:
     """Run every row's process in turn, a block at a time; returns workers, summaries and notes."""
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no tool state is inherited
     workers: list[Worker] = []
@@ -324,11 +354,35 @@ def measure(framework: str, cfg: spec.ModelConfig, rows: list[Row], server: str,
             w.cpu += cpu
             w.losses += losses
             w.rounds.append(times)
+    if sustained:
+        notes += sustained_runs(ready, warmup + steps, sustained)
     summaries: dict[Row, dict[str, Any]] = {}
     for w in ready:
         summaries[w.row] = w.call("close")
         w.stop()
     return ready, summaries, notes
+
+
+def sustained_runs(workers: list[Worker], first: int, steps: int) -> list[str]:
+    """Unhooked, then each tensor-capturing row, alone for ``steps`` steps in a row with no pause between them.
+
+    The interleaved table lets a row's background work finish between its blocks;
+    here it must keep up with the training or fall behind: steps dropped, and the
+    time the outbox took to empty after the last step, say which.
+    """
+    plain = next(w for w in workers if w.row is UNHOOKED)
+    chosen = [w for w in workers if w.row.mode in ("tensors", "lossy")]
+    if not chosen:
+        return []
+    chunk = list(range(first, first + steps))
+    base_times, _, _ = plain.call("sustained", chunk)
+    base = statistics.median(base_times)
+    lines = [f"sustained, {steps} steps in a row per row, alone (unhooked median {1000 * base:.1f} ms):"]
+    for w in chosen:
+        times, _, info = w.call("sustained", chunk)
+        lines.append(f"  {w.row.label}: {statistics.median(times) / base:.3f}x, dropped {info['dropped']} of {steps} "
+                     f"steps, outbox empty {1000 * info['drain_s']:.0f} ms after the last step")
+    return lines
 
 
 def fmt_bytes(n: float) -> str:
@@ -351,7 +405,7 @@ def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[R
     base = statistics.median(plain.times)
     base_cpu = statistics.median(plain.cpu)
     ours = statistics.median(by_row[TWINSTEP_STATS].times) if TWINSTEP_STATS in by_row else None
-    print(f"{'hidden':>6}  {'framework':<10}{'row':<18}{'median ms':>10}{'ratio':>8}{'rounds':>12}{'cpu ratio':>11}"
+    print(f"{'hidden':>6}  {'framework':<10}{'row':<26}{'median ms':>10}{'ratio':>8}{'rounds':>12}{'cpu ratio':>11}"
           f"{'vs twinstep':>13}  notes")
     for w in workers:
         med = statistics.median(w.times)
@@ -371,13 +425,18 @@ def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[R
             note = ""
         if w.losses and plain.losses and abs(w.losses[-1] - plain.losses[-1]) > 1e-4 * max(1.0, abs(plain.losses[-1])):
             note += f"; loss differs from unhooked ({w.losses[-1]:.6f} vs {plain.losses[-1]:.6f})"
-        print(f"{hidden:>6}  {framework:<10}{w.row.label:<18}{1000 * med:>10.1f}{med / base:>7.3f}x{spread:>12}"
+        print(f"{hidden:>6}  {framework:<10}{w.row.label:<26}{1000 * med:>10.1f}{med / base:>7.3f}x{spread:>12}"
               f"{statistics.median(w.cpu) / base_cpu:>10.3f}x{vs:>13}  {note}", flush=True)
     if TWINSTEP_STATS in by_row and hidden in TARGETS:
         ratio = statistics.median(by_row[TWINSTEP_STATS].times) / base
         cpu_ratio = statistics.median(by_row[TWINSTEP_STATS].cpu) / base_cpu
         print(f"        twinstep stats target at hidden {hidden}: <= {TARGETS[hidden]:.2f}x; "
               f"measured {ratio:.3f}x wall, {cpu_ratio:.3f}x cpu")
+    if TWINSTEP_COMPILED in by_row and hidden in TARGETS:
+        ratio = statistics.median(by_row[TWINSTEP_COMPILED].times) / base
+        cpu_ratio = statistics.median(by_row[TWINSTEP_COMPILED].cpu) / base_cpu
+        print(f"        twinstep stats, compiled (a long run's steady state) at hidden {hidden}: "
+              f"<= {TARGETS[hidden]:.2f}x; measured {ratio:.3f}x wall, {cpu_ratio:.3f}x cpu")
     for row in [r for r in by_row if r.mode in ("tensors", "lossy")]:
         ratio = statistics.median(by_row[row].times) / base
         print(f"        twinstep {row.mode} target (every module, every step): <= {TENSOR_TARGET:.2f}x; "
@@ -396,6 +455,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
     parser.add_argument("--tensors", action="store_true", help="add a twinstep tensors row")
     parser.add_argument("--no-peer", action="store_true", help="skip the msprobe rows")
+    parser.add_argument("--sustained", type=int, default=0, metavar="STEPS",
+                        help="then run unhooked and each tensor row alone for STEPS steps without pauses")
     parser.add_argument("--control", action="store_true",
                         help="add a second unhooked row: the noise floor between two processes")
     args = parser.parse_args()
@@ -419,7 +480,7 @@ def main() -> int:
             for framework in frameworks:
                 rows = rows_for(framework, args.tensors, peer, args.control)
                 workers, summaries, notes = measure(framework, cfg, rows, f"127.0.0.1:{port}", args.steps,
-                                                    args.block, args.warmup, tmp)
+                                                    args.block, args.warmup, tmp, args.sustained)
                 report(framework, hidden, workers, summaries)
                 for note in notes:
                     print(f"        {note}")
