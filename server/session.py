@@ -200,7 +200,8 @@ class Session:
             conn.send(_halt_command(-1, self.halt_reason))
         else:
             self._update_credits(hello.rank)
-        welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received)
+        welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received,
+                             max_step_tensor_bytes=self.config.window_bytes)
         if hello.capture == "lossy":
             for phase, bound in self._lossy_bounds().items():
                 welcome.lossy[phase].CopyFrom(bound)

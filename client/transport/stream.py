@@ -131,6 +131,7 @@ class StreamClient:
         self._welcomed = False
         # The server's error budgets per phase for capture="lossy" (Welcome.lossy).
         self._lossy: dict[str, pb.LossyBound] = {}
+        self._max_step_tensor_bytes = 0  # the server's bound on one step's tensor pieces (0: none stated)
         self._closing = False  # finish sending, then say Close
         self._close_message: pb.ClientMessage | None = None
         self._stopped = threading.Event()  # give up now
@@ -315,6 +316,7 @@ class StreamClient:
                 self.stats.connected = True
                 last = response.welcome.last_step_received
                 self._lossy = dict(response.welcome.lossy)
+                self._max_step_tensor_bytes = response.welcome.max_step_tensor_bytes
                 self._ack(last)
                 self._cond.notify_all()
             if "unreachable" in self._warned:
@@ -373,6 +375,10 @@ class StreamClient:
                     with self._cond:
                         self._drop("oversized")
                     continue
+                if self._too_big_for_server(batch):
+                    with self._cond:
+                        self._drop("oversized")
+                    continue
                 pieces = 0
                 for piece in self._tensor_pieces(batch):
                     pieces += 1
@@ -384,6 +390,23 @@ class StreamClient:
             if message.WhichOneof("body") == "close":
                 self._finished.set()
                 return
+
+    def _too_big_for_server(self, batch: StepBatch) -> bool:
+        """Tensors the server would refuse to hold for one step (it would end the stream): dropped here instead."""
+        limit = self._max_step_tensor_bytes
+        if not limit or not batch.tensors:
+            return False
+        # Encoded pieces are at most their storage plus zstd's worst case (~0.4%) and a header each.
+        size = sum(h.nbytes + h.nbytes // 200 + 64 for h in batch.tensors)
+        if size <= limit:
+            return False
+        self._warn_once(
+            "oversized_tensors",
+            "twinstep: the tensors of step %d take about %d bytes, over the %d bytes the server holds for one step; "
+            "steps like it are dropped (capture fewer modules, use capture='lossy', or raise the server's window_bytes)",
+            batch.step, size, limit,
+        )
+        return True
 
     def _tensor_pieces(self, batch: StepBatch) -> Iterator[bytes]:
         """The step's tensor pieces; a tensor that fails to encode is skipped with a warning, never the stream."""

@@ -9,6 +9,7 @@ from google.protobuf.message import DecodeError
 from tests.unit_tests.test_recorder import FRAMEWORKS, toy
 from twinstep import codec
 from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.server import ServerConfig
 from twinstep.server.compare.tensors import PieceCollector
 from twinstep.server.wire import ReceivedPiece, parse_client_message
 from twinstep.transport.messages import TensorEncoder, encoded_pieces, step_message
@@ -204,3 +205,25 @@ def test_cuda_copies_land_in_pinned_buffers_and_the_fence_waits_for_them():
     decoded = _server_side(batch, list(encoded_pieces(batch, TensorEncoder(), None)))  # waits on the fence first
     first_linear = next(host.records[0] for host in batch.tensors if batch.phase[host.records[0]] == pb.FORWARD)
     np.testing.assert_allclose(decoded[first_linear], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("server", [{"config": ServerConfig(window_bytes=6000)}], indirect=True)
+def test_a_step_whose_tensors_the_server_cannot_hold_is_dropped_by_the_client(server, caplog):
+    """Not sent and refused (which would end the run's capture): dropped, counted, warned once; smaller ones go on."""
+    import torch
+
+    import twinstep
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+    mon = twinstep.attach(model, session="window", run="base", baseline=True, server=server.address,
+                          capture="tensors", backward=False, include=("0",))
+    for batch_rows in (4, 64, 4):  # 64 rows: 4 KiB per activation, over the server's 6000 bytes with the weights
+        model(torch.randn(batch_rows, 16)).sum().backward()
+        mon.step()
+        model.zero_grad()
+    mon.close()
+    assert mon.stats.dropped == {"oversized": 1} and not mon.stats.rejected
+    assert mon.stats.steps_sent == 2
+    assert server.registry.get("window").runs["base"].last_step == 2
+    assert sum("over the 6000 bytes the server holds" in r.getMessage() for r in caplog.records) == 1

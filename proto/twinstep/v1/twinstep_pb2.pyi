@@ -283,7 +283,7 @@ class ClientMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ..., tensor: _Optional[_Union[TensorPiece, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("protocol_version", "last_step_received", "lossy")
+    __slots__ = ("protocol_version", "last_step_received", "lossy", "max_step_tensor_bytes")
     class LossyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -294,10 +294,12 @@ class Welcome(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     last_step_received: int
     lossy: _containers.MessageMap[str, LossyBound]
-    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ..., lossy: _Optional[_Mapping[str, LossyBound]] = ...) -> None: ...
+    max_step_tensor_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ..., lossy: _Optional[_Mapping[str, LossyBound]] = ..., max_step_tensor_bytes: _Optional[int] = ...) -> None: ...
 
 class LossyBound(_message.Message):
     __slots__ = ("rms_fraction", "absolute")
