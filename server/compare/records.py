@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,16 +78,20 @@ class StepData:
     """[rows, buckets] count-sketches (twinstep.sketch) of some records, or None."""
     sketch_spec: tuple[int, int] = (0, 0)
     """(buckets, seed): sketches of two runs compare only when these agree."""
+    layout_key: tuple | None = None
+    """Set by decode_step; see :attr:`layout`."""
 
     def __len__(self) -> int:
         return len(self.names)
 
-    @functools.cached_property
+    @property
     def layout(self) -> tuple:
         """Everything about the records that stays the same from step to step of one training (compared
         exactly, not by hash): the key of the join plans in twinstep.server.compare.plan."""
-        return (tuple(self.names), tuple(self.types), self.phase.tobytes(), self.call_index.tobytes(),
-                self.slot.tobytes(), tuple(self.dtypes), tuple(self.shapes))
+        if self.layout_key is None:
+            self.layout_key = ((tuple(self.names), tuple(self.types), self.phase.tobytes(), tuple(self.dtypes),
+                                tuple(self.shapes)), self.call_index.tobytes(), self.slot.tobytes())
+        return self.layout_key
 
 
 def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollector | None = None) -> StepData:
@@ -120,46 +125,19 @@ def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollec
         raise invalid(f"step {message.step}: a record claims {int(ndim.max())} dimensions")
     if int(ndim.sum()) != len(message.dims):
         raise invalid(f"step {message.step}: ndim adds up to {int(ndim.sum())} dims, {len(message.dims)} given")
-    dims = list(message.dims)
-    if any(d < 0 for d in dims):
+    dims = np.asarray(message.dims, dtype=np.int64)
+    if dims.size and dims.min() < 0:
         raise invalid(f"step {message.step}: negative dimension")
-    shapes: list[tuple[int, ...]] = []
-    offset = 0
-    for k in ndim.tolist():
-        shapes.append(tuple(dims[offset : offset + k]))
-        offset += k
-
     phases = np.asarray(message.phase, dtype=np.int64)
-    names: list[str] = []
-    types: list[str] = []
-    dtypes: list[str] = []
-    for i, (phase, target, dtype) in enumerate(zip(message.phase, message.target, message.dtype)):
-        if phase in (pb.FORWARD, pb.BACKWARD, pb.INPUT):
-            module = manifest.modules.get(target)
-            if module is None:
-                raise invalid(f"step {message.step}: record {i} names module id {target}, absent from the manifest")
-            names.append(module[0])
-            types.append(module[1])
-        elif phase in (pb.GRAD, pb.PARAM):
-            param = manifest.parameters.get(target)
-            if param is None:
-                raise invalid(f"step {message.step}: record {i} names parameter id {target}, absent from the manifest")
-            names.append(param.name)
-            types.append(param.module_type)
-        elif phase == pb.LOSS:
-            names.append(LOSS_NAME)
-            types.append("")
-        else:
-            raise invalid(f"step {message.step}: record {i} has unknown phase {phase}")
-        name = WIRE_TO_DTYPE.get(dtype)
-        if name is None:
-            raise invalid(f"step {message.step}: record {i} has unknown dtype {dtype}")
-        dtypes.append(name)
-
+    layout = _record_layout(message.step, manifest, phases, np.asarray(message.target, dtype=np.int64),
+                            np.asarray(message.dtype, dtype=np.int64), ndim, dims)
+    names, shapes = layout.names, layout.shapes
     count = np.asarray(message.stats.count, dtype=np.int64)
-    if n and any(c != math.prod(s) for c, s in zip(count.tolist(), shapes)):
-        bad = next(i for i, (c, s) in enumerate(zip(count.tolist(), shapes)) if c != math.prod(s))
+    if not np.array_equal(count, layout.numel):
+        bad = int(np.flatnonzero(count != layout.numel)[0])
         raise invalid(f"step {message.step}: record {bad} ({names[bad]!r}) counts {count[bad]} elements, shape {list(shapes[bad])}")
+    call_index = np.asarray(message.call_index, dtype=np.int64)
+    slot = np.asarray(message.slot, dtype=np.int64)
     table = stats.empty_table(n)
     table["count"] = count
     for name in ("sum", "sum_sq", "min", "max", "abs_max"):
@@ -185,16 +163,97 @@ def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollec
         rank=message.rank,
         phase=phases,
         names=names,
-        types=types,
-        call_index=np.asarray(message.call_index, dtype=np.int64),
-        slot=np.asarray(message.slot, dtype=np.int64),
-        dtypes=dtypes,
+        types=layout.types,
+        call_index=call_index,
+        slot=slot,
+        dtypes=layout.dtypes,
         shapes=shapes,
         table=table,
         payloads=payloads,
         nbytes=message.ByteSize() + sum(t.nbytes for t in payloads.values()),
+        layout_key=(layout.key, call_index.tobytes(), slot.tobytes()),
         **_sketches(message, n),
     )
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """What a step's (phase, target, dtype, shape) columns mean under a manifest: the same every step."""
+
+    names: list[str]
+    types: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    numel: np.ndarray
+    key: tuple
+    """Compared exactly (not by hash) by the join plans; one object per cached layout."""
+
+
+#: Record layouts by (manifest, columns); bounded, shared by the sessions of a server.
+_LAYOUTS: OrderedDict[tuple, tuple[RecordLayout, Manifest]] = OrderedDict()
+_LAYOUTS_LOCK = threading.Lock()
+_MAX_LAYOUTS = 512
+
+
+def _record_layout(step: int, manifest: Manifest, phases: np.ndarray, targets: np.ndarray, dtypes: np.ndarray,
+                   ndim: np.ndarray, dims: np.ndarray) -> RecordLayout:
+    """Names, types, dtypes and shapes of the records: validated and resolved once per layout.
+
+    A manifest only grows and never redefines an id, so (manifest, its size,
+    the columns) determines the result; the manifest is kept with its entry so
+    its id cannot be reused while cached.
+    """
+    key = (id(manifest), len(manifest.modules), len(manifest.parameters), phases.tobytes(), targets.tobytes(),
+           dtypes.tobytes(), ndim.tobytes(), dims.tobytes())
+    with _LAYOUTS_LOCK:
+        found = _LAYOUTS.get(key)
+        if found is not None:
+            _LAYOUTS.move_to_end(key)
+            return found[0]
+    layout = _resolve_layout(step, manifest, phases.tolist(), targets.tolist(), dtypes.tolist(), ndim, dims)
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[key] = (layout, manifest)
+        while len(_LAYOUTS) > _MAX_LAYOUTS:
+            _LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _resolve_layout(step: int, manifest: Manifest, phases: list[int], targets: list[int], dtype_codes: list[int],
+                    ndim: np.ndarray, dims: np.ndarray) -> RecordLayout:
+    shapes: list[tuple[int, ...]] = []
+    flat = dims.tolist()
+    offset = 0
+    for k in ndim.tolist():
+        shapes.append(tuple(flat[offset : offset + k]))
+        offset += k
+    names: list[str] = []
+    types: list[str] = []
+    dtypes: list[str] = []
+    for i, (phase, target, dtype) in enumerate(zip(phases, targets, dtype_codes)):
+        if phase in (pb.FORWARD, pb.BACKWARD, pb.INPUT):
+            module = manifest.modules.get(target)
+            if module is None:
+                raise invalid(f"step {step}: record {i} names module id {target}, absent from the manifest")
+            names.append(module[0])
+            types.append(module[1])
+        elif phase in (pb.GRAD, pb.PARAM):
+            param = manifest.parameters.get(target)
+            if param is None:
+                raise invalid(f"step {step}: record {i} names parameter id {target}, absent from the manifest")
+            names.append(param.name)
+            types.append(param.module_type)
+        elif phase == pb.LOSS:
+            names.append(LOSS_NAME)
+            types.append("")
+        else:
+            raise invalid(f"step {step}: record {i} has unknown phase {phase}")
+        name = WIRE_TO_DTYPE.get(dtype)
+        if name is None:
+            raise invalid(f"step {step}: record {i} has unknown dtype {dtype}")
+        dtypes.append(name)
+    numel = np.fromiter((math.prod(s) for s in shapes), dtype=np.int64, count=len(shapes))
+    key = (tuple(names), tuple(types), np.asarray(phases, dtype=np.int64).tobytes(), tuple(dtypes), tuple(shapes))
+    return RecordLayout(names, types, dtypes, shapes, numel, key)
 
 
 def _sketches(message: pb.StepRecords, n: int) -> dict:

@@ -88,3 +88,36 @@ def test_vectorised_noise_bands_equal_the_per_record_rule():
             assert tolerances[c, k] == bands.tolerance(key, metric, defaults[c, k])
             expected_band = bands.band(key)
             assert band[c, k] == (-1.0 if expected_band is None else expected_band.get(metric, 0.0))
+
+
+def test_record_layouts_are_resolved_per_manifest():
+    """Two streams may give one module id different names; a manifest that grows resolves what it lacked."""
+    from twinstep.server.compare.records import Manifest, decode_step
+    from twinstep.server.errors import InputError
+    from twinstep.v1 import twinstep_pb2 as pb
+    from tests.unit_tests.test_comparator import build
+
+    message, _ = build([Rec("forward", "fc", np.ones((2, 3), np.float32))])
+    target = message.target[0]
+    first, second, growing = Manifest(), Manifest(), Manifest()
+    first.add(pb.Manifest(modules=[pb.ModuleInfo(id=target, name="fc", type="Linear")]))
+    second.add(pb.Manifest(modules=[pb.ModuleInfo(id=target, name="proj", type="Linear")]))
+    assert decode_step(message, first).names == ["fc"]
+    assert decode_step(message, second).names == ["proj"]
+    assert decode_step(message, first).names == ["fc"]  # cached, and still per manifest
+    with pytest.raises(InputError, match="absent from the manifest"):
+        decode_step(message, growing)
+    growing.add(pb.Manifest(modules=[pb.ModuleInfo(id=target, name="late", type="Linear")]))
+    assert decode_step(message, growing).names == ["late"]
+
+
+def test_a_cached_layout_still_checks_each_steps_counts():
+    from twinstep.server.compare.records import decode_step
+    from twinstep.server.errors import InputError
+    from tests.unit_tests.test_comparator import build
+
+    message, manifest = build([Rec("forward", "fc", np.ones((2, 3), np.float32))])
+    decode_step(message, manifest)
+    message.stats.count[0] = 5
+    with pytest.raises(InputError, match="counts 5 elements, shape \\[2, 3\\]"):
+        decode_step(message, manifest)
