@@ -138,8 +138,7 @@ def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollec
         raise invalid(f"step {message.step}: record {bad} ({names[bad]!r}) counts {count[bad]} elements, shape {list(shapes[bad])}")
     call_index = np.asarray(message.call_index, dtype=np.int64)
     slot = np.asarray(message.slot, dtype=np.int64)
-    table = stats.empty_table(n)
-    table["count"] = count
+    table: dict[str, np.ndarray] = {"count": count}  # the columns of stats.FIELDS, in order
     for name in ("sum", "sum_sq", "min", "max", "abs_max"):
         table[name] = np.asarray(getattr(message.stats, name), dtype=np.float64)
     table["nan_count"] = np.asarray(message.stats.nan_count, dtype=np.int64)
