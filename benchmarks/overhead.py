@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--framework torch|paddle|both] [--hidden 256 [1024 ...]]
                                   [--steps 20] [--block 5] [--warmup 2] [--tensors] [--control]
-                                  [--no-peer] [--sustained STEPS]
+                                  [--no-peer] [--sustained STEPS] [--server-nice N]
 
 Every row trains the demo transformer at issue 4's reference size (4 layers,
 hidden 256 unless --hidden says otherwise, seq 128, batch 8, CPU, one thread)
@@ -455,6 +455,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
     parser.add_argument("--tensors", action="store_true", help="add a twinstep tensors row")
     parser.add_argument("--no-peer", action="store_true", help="skip the msprobe rows")
+    parser.add_argument("--server-nice", type=int, default=0, metavar="N",
+                        help="run the server at niceness N: a server sharing cores with a training yields to it")
     parser.add_argument("--sustained", type=int, default=0, metavar="STEPS",
                         help="then run unhooked and each tensor row alone for STEPS steps without pauses")
     parser.add_argument("--control", action="store_true",
@@ -465,13 +467,15 @@ def main() -> int:
     peer = not args.no_peer and peer_installed()
     frameworks = ("torch", "paddle") if args.framework == "both" else (args.framework,)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "twinstep", "serve", "--port", str(port)],
+    nice = ["nice", "-n", str(args.server_nice)] if args.server_nice else []
+    server = subprocess.Popen(nice + [sys.executable, "-m", "twinstep", "serve", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tmp = tempfile.mkdtemp(prefix="twinstep-overhead-")
     try:
         time.sleep(1.5)
         print(f"model: {args.layers} layers, seq {args.seq}, batch {args.batch}, CPU, 1 thread; {args.steps} timed "
-              f"steps per row after {args.warmup} warm-up, blocks of {args.block}, median step time")
+              f"steps per row after {args.warmup} warm-up, blocks of {args.block}, median step time"
+              + (f"; server at niceness {args.server_nice}" if args.server_nice else ""))
         if not args.no_peer and not peer and "torch" in frameworks:
             print(f"msprobe rows skipped: {PEER_PACKAGE} is not installed; install it with: {PEER_INSTALL}")
         for hidden in args.hidden:
