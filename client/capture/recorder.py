@@ -12,8 +12,8 @@ needs, with no further reference to the framework's tensors.
 from __future__ import annotations
 
 import fnmatch
-import logging
 import functools
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
