@@ -55,11 +55,6 @@ class HostBufferPool:
     def free_bytes(self) -> int:
         return self._free_bytes
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._free_bytes = 0
-
 
 @dataclass
 class PoolStats:

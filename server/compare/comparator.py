@@ -18,14 +18,13 @@ from twinstep.server.compare import layout, metrics, sketch
 from twinstep.server.compare.lossy import ELEMENTWISE
 from twinstep.server.compare.mapping import FusedRule, NameMapping
 from twinstep.server.compare.plan import Pair, PlanCache, build_plan, gather
-from twinstep.server.compare.records import PHASE_NAMES, StepData
+from twinstep.server.compare.records import PARAM_PHASES, PHASE_NAMES, StepData
 from twinstep.server.compare.tolerance import METRICS, ToleranceConfig
 
 if TYPE_CHECKING:
     from twinstep.server.detect.noise import NoiseBands
 from twinstep.v1 import twinstep_pb2 as pb
 
-_PARAM_PHASES = (pb.GRAD, pb.PARAM)
 
 
 @dataclass
@@ -237,7 +236,7 @@ def _fused_metrics(
     # The parts must hold the same elements as the fused module (merged statistics compare them).
     if sum(many.table["count"][parts]) != one.table["count"][s]:
         return None
-    if int(one.phase[s]) in _PARAM_PHASES:
+    if int(one.phase[s]) in PARAM_PHASES:
         single = (one_fw, one.types[s], one.names[s])
         flips = [layout.needs_transpose(single, (many_fw, many.types[p], many.names[p])) for p in parts]
         axis = -1 if layout.is_in_out(*single) else 0
@@ -315,7 +314,7 @@ def _join(
 
 def _split(phase: int, name: str) -> tuple[str, str]:
     """(module path, suffix): parameters follow their module through fused rules."""
-    if phase in _PARAM_PHASES and "." in name:
+    if phase in PARAM_PHASES and "." in name:
         module, local = name.rsplit(".", 1)
         return module, "." + local
     return name, ""

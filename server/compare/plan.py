@@ -20,10 +20,9 @@ import numpy as np
 
 from twinstep.server.compare import layout
 from twinstep.server.compare.mapping import FusedRule, NameMapping
-from twinstep.server.compare.records import PHASE_NAMES, StepData
+from twinstep.server.compare.records import PARAM_PHASES, PHASE_NAMES, StepData
 from twinstep.server.compare.tolerance import METRICS, PRECISION_ORDER, ToleranceConfig, effective_dtype
 
-_PARAM_PHASES = frozenset(p for p, name in PHASE_NAMES.items() if name in ("grad", "param"))
 #: Plans kept (most recently used); a session needs one per candidate run and rank.
 MAX_PLANS = 256
 
@@ -114,7 +113,7 @@ def build_plan(
         if base_group[0] in fused_rules:
             continue
         i, j = base_group[0], cand_group[0]
-        transpose = int(base.phase[i]) in _PARAM_PHASES and layout.needs_transpose(
+        transpose = int(base.phase[i]) in PARAM_PHASES and layout.needs_transpose(
             (base_framework, base.types[i], base.names[i]), (cand_framework, cand.types[j], cand.names[j])
         )
         if not layout.shapes_compatible(base.shapes[i], cand.shapes[j], transpose):

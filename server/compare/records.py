@@ -18,6 +18,8 @@ from twinstep.v1 import twinstep_pb2 as pb
 PHASE_NAMES = {
     pb.FORWARD: "forward", pb.LOSS: "loss", pb.BACKWARD: "backward", pb.GRAD: "grad", pb.PARAM: "param", pb.INPUT: "input",
 }
+#: Phases whose records are parameters (gradients, updated values) rather than module outputs.
+PARAM_PHASES = frozenset({pb.GRAD, pb.PARAM})
 LOSS_NAME = "loss"
 MAX_RECORDS = 2_000_000
 MAX_NDIM = 64
@@ -88,9 +90,9 @@ class StepData:
     def layout(self) -> tuple:
         """Everything about the records that stays the same from step to step of one training (compared
         exactly, not by hash): the key of the join plans in twinstep.server.compare.plan."""
-        if self.layout_key is None:
-            self.layout_key = ((tuple(self.names), tuple(self.types), self.phase.tobytes(), tuple(self.dtypes),
-                                tuple(self.shapes)), self.call_index.tobytes(), self.slot.tobytes())
+        if self.layout_key is None:  # a StepData built by hand, not by decode_step
+            records = _records_key(self.names, self.types, self.phase, self.dtypes, self.shapes)
+            self.layout_key = (records, self.call_index.tobytes(), self.slot.tobytes())
         return self.layout_key
 
 
@@ -251,8 +253,13 @@ def _resolve_layout(step: int, manifest: Manifest, phases: list[int], targets: l
             raise invalid(f"step {step}: record {i} has unknown dtype {dtype}")
         dtypes.append(name)
     numel = np.fromiter((math.prod(s) for s in shapes), dtype=np.int64, count=len(shapes))
-    key = (tuple(names), tuple(types), np.asarray(phases, dtype=np.int64).tobytes(), tuple(dtypes), tuple(shapes))
+    key = _records_key(names, types, np.asarray(phases, dtype=np.int64), dtypes, shapes)
     return RecordLayout(names, types, dtypes, shapes, numel, key)
+
+
+def _records_key(names: list[str], types: list[str], phases: np.ndarray, dtypes: list[str],
+                 shapes: list[tuple[int, ...]]) -> tuple:
+    return (tuple(names), tuple(types), phases.astype(np.int64, copy=False).tobytes(), tuple(dtypes), tuple(shapes))
 
 
 def _sketches(message: pb.StepRecords, n: int) -> dict:

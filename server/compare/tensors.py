@@ -83,9 +83,7 @@ class TensorData:
         ]
         if len(parts) == 1:
             return parts[0].reshape(shape)
-        if len({a.dtype for a in parts}) > 1:  # lossless and lossy pieces of one bfloat16 tensor
-            parts = [a.astype(np.float32) for a in parts]
-        return np.concatenate(parts).reshape(shape)
+        return np.concatenate(parts).reshape(shape)  # lossy float16 pieces beside lossless ones: float32
 
 
 class PieceCollector:

@@ -60,21 +60,9 @@ class NoiseBands:
         index = self._index
         return np.fromiter((index.get(key, -1) for key in keys), dtype=np.int64, count=len(keys))
 
-    def band(self, key: Key) -> dict[str, float] | None:
-        row = self._index.get(key)
-        if row is None:
-            return None
-        return {m: float(v) for m, v in zip(METRICS, self._bands[row]) if v > 0}
-
-    def tolerance(self, key: Key, metric: str, default: float) -> float:
-        """multiple x band, at least floor_fraction x the default; the default where no band exists."""
-        row = self._index.get(key)
-        if row is None:
-            return default
-        return max(self.multiple * float(self._bands[row, METRICS.index(metric)]), self.floor_fraction * default)
-
     def banded(self, rows: np.ndarray, defaults: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Vectorised ``tolerance`` for ``rows`` (from :meth:`rows`) and defaults [len(METRICS), n].
+        """Tolerances for ``rows`` (from :meth:`rows`) given the configured ones, [len(METRICS), n]:
+        multiple x band, at least floor_fraction x the default; the default where no band exists.
 
         Returns (tolerances, bands), both [len(METRICS), n]; bands are -1 where no band exists.
         """
