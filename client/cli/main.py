@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     serve.add_argument("--config", help="YAML config: tolerances, name mapping, window")
     serve.add_argument("--halt-on-divergence", action="store_true", help="halt every run of a session at its first divergence")
+    serve.add_argument("--release-freed-memory", action="store_true",
+                       help="let the allocator return freed memory to the OS: a smaller resident size after bursts, "
+                            "at the cost of page faults on every tensor piece (see twinstep.server.memory)")
 
     watch = sub.add_parser("watch", help="print live progress and alerts of a session")
     watch.add_argument("session")
@@ -86,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from twinstep.server import ServerConfig, load_config, serve
+    from twinstep.server.memory import retain_freed_memory
 
     config = load_config(args.config) if args.config else ServerConfig()
+    if not args.release_freed_memory:
+        retain_freed_memory()  # this process is the server's own
     handle = serve(port=args.port, host=args.host, config=config, halt_on_divergence=args.halt_on_divergence or None)
     print(f"twinstep server listening on {args.host}:{handle.port}", flush=True)
     stop = {"requested": False}

@@ -16,6 +16,7 @@ import threading
 from twinstep.cli.main import format_event
 from twinstep.report import render_text
 from twinstep.server import serve
+from twinstep.server.memory import retain_freed_memory
 
 _SESSION = "demo"
 _JOB_TIMEOUT = 600.0
@@ -46,6 +47,7 @@ def _pipe(process: subprocess.Popen[str], lock: threading.Lock) -> None:
 
 
 def run_demo(bug: str | None, steps: int = 20, capture: str = "stats") -> int:
+    retain_freed_memory()  # the demo's process is the server's own; its jobs are separate processes
     handle = serve(port=0, halt_on_divergence=True)
     print(f"twinstep demo: server on {handle.address}; torch baseline vs paddle port "
           f"({'porting bug: ' + bug if bug else 'faithful port'}), {steps} steps", flush=True)
