@@ -14,6 +14,9 @@ it differs:
     twinstep stats, compiled   the same with torch's statistics kernel compiled
                         before the first step (a long run's steady state)   torch only
     twinstep tensors    twinstep.attach(capture="tensors")          (--tensors)
+                        (encoded and sent by a sender process: sender="auto")
+    twinstep tensors, thread   the same with sender="thread": encoded and
+                        sent by a thread of the training process   (--tensors)
     twinstep lossy      twinstep.attach(capture="lossy")            (--tensors)
     unhooked again      no tool, in a second process: the noise floor  (--control)
     msprobe L0          msprobe statistics, level L0  (module hooks)   torch only
@@ -29,8 +32,9 @@ acknowledged every step, so its background sending does not run into the
 next row's block (how long that took is in its notes).  The twinstep server runs
 in its own process, as in production.  A row's ratio is its median step time
 over the unhooked row's; "rounds" is the range of that ratio over the rounds;
-"cpu ratio" is the same for the process's CPU time per step, which other jobs
-on the machine disturb far less than wall time.
+"cpu ratio" is the same for the CPU time per step of the training process and
+of its twinstep sender process if it has one, which other jobs on the machine
+disturb far less than wall time.
 With ``--sustained STEPS`` the unhooked row and each tensor row then train
 alone for STEPS steps back to back, with no pause for background work: a
 tensor row whose sending cannot keep up with the training shows it there,
@@ -86,6 +90,7 @@ class Row:
     label: str
     tool: str  # "none", "twinstep" or "msprobe"
     mode: str = ""  # twinstep capture ("stats"/"tensors") or msprobe level ("L0"/"mix")
+    sender: str = "auto"  # twinstep's sender: "auto" (a sender process for tensors), "thread", "process"
 
 
 UNHOOKED = Row("unhooked", "none")
@@ -103,7 +108,9 @@ def rows_for(framework: str, tensors: bool, peer: bool, control: bool = False) -
     if control:
         rows.insert(1, Row("unhooked again", "none"))
     if tensors:
-        rows += [Row("twinstep tensors", "twinstep", "tensors"), Row("twinstep lossy", "twinstep", "lossy")]
+        rows += [Row("twinstep tensors", "twinstep", "tensors"),
+                 Row("twinstep tensors, thread", "twinstep", "tensors", sender="thread"),
+                 Row("twinstep lossy", "twinstep", "lossy")]
     if peer and framework == "torch":
         rows += [Row("msprobe L0", "msprobe", "L0"), Row("msprobe mix", "msprobe", "mix")]
     return rows
@@ -149,12 +156,15 @@ class _Tool:
     def dropped(self) -> int:
         return 0
 
+    def helper_cpu(self) -> float:
+        return 0.0
+
     def close(self) -> dict[str, Any]:
         return {}
 
 
 class _Twinstep(_Tool):
-    def __init__(self, model: Any, framework: str, mode: str, server: str) -> None:
+    def __init__(self, model: Any, framework: str, mode: str, server: str, sender: str = "auto") -> None:
         import twinstep
 
         capture, _, compiled = mode.partition("-")
@@ -164,7 +174,7 @@ class _Twinstep(_Tool):
             if not _FUSED.compile_now():
                 raise RuntimeError("torch.compile of the statistics kernel failed")
         self.mon = twinstep.attach(model, session=f"bench-{framework}-{capture}-{time.time()}", run=framework,
-                                   baseline=True, server=server, capture=capture)
+                                   baseline=True, server=server, capture=capture, sender=sender)
 
         self.drain_s = 0.0
         self.blocks = 0
@@ -176,13 +186,25 @@ class _Twinstep(_Tool):
         # The monitor has no public flush; a step leaves the outbox once the server acknowledges it.
         client = self.mon._client
         start = time.perf_counter()
-        while client._steps and time.perf_counter() - start < 120:
+        while client.pending_steps and time.perf_counter() - start < 120:
             time.sleep(0.005)
         self.drain_s += time.perf_counter() - start
         self.blocks += 1
 
     def dropped(self) -> int:
         return sum(self.mon.stats.dropped.values())
+
+    def helper_cpu(self) -> float:
+        """CPU seconds used so far by the sender process (sender="process"), which process_time misses."""
+        proc = getattr(self.mon._client, "_proc", None)
+        if proc is None:
+            return 0.0
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> dict[str, Any]:
         self.mon.close()
@@ -238,7 +260,7 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
         trainer = (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)
         tool: _Tool
         if row.tool == "twinstep":
-            tool = _Twinstep(trainer.inner, framework, row.mode, server)
+            tool = _Twinstep(trainer.inner, framework, row.mode, server, row.sender)
         elif row.tool == "msprobe":
             tool = _Msprobe(trainer.inner, row.mode, workdir)
         else:
@@ -252,6 +274,7 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
         if kind in ("steps", "sustained"):
             times, cpu, losses = [], [], []
             dropped_before = tool.dropped()
+            helper_before = tool.helper_cpu()
             for step in payload:
                 ids, tgt = spec.batch(step, 0, cfg)
                 start, start_cpu = time.perf_counter(), time.process_time()
@@ -264,7 +287,9 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
                 losses.append(float(loss.item()))
             if kind == "steps":
                 tool.settle()
-                conn.send(("times", (times, cpu, losses)))
+                # The sender process's share of the block, spread over its steps.
+                helper = (tool.helper_cpu() - helper_before) / max(len(cpu), 1)
+                conn.send(("times", (times, [c + helper for c in cpu], losses)))
             else:  # sustained: no pause for the background work; it runs into the next steps
                 dropped = tool.dropped() - dropped_before
                 start = time.perf_counter()
@@ -396,8 +421,8 @@ def fmt_bytes(n: float) -> str:
 def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[Row, dict[str, Any]]) -> None:
     """Print one table: per row, median step time, ratios to unhooked and to twinstep stats.
 
-    Wall time is what a user waits; process CPU time (training thread plus the
-    tool's background threads, not the server) barely moves when other jobs
+    Wall time is what a user waits; CPU time (training thread plus the tool's
+    background threads and sender process, not the server) barely moves when other jobs
     share the cores, so on a busy machine its ratio is the steadier one.
     """
     by_row = {w.row: w for w in workers}

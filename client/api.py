@@ -20,6 +20,8 @@ from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.errors import Halted
 from twinstep.transport import ClientStats, StreamClient, StreamConfig
+from twinstep.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
+from twinstep.transport.sidecar import SidecarClient
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep")
@@ -60,6 +62,7 @@ class Monitor:
         lockstep: int,
         lockstep_timeout: float,
         stream: StreamConfig,
+        sender: str = "thread",
     ) -> None:
         self.session = session
         self.run = run
@@ -73,8 +76,6 @@ class Monitor:
         self._halt_lock = threading.Lock()
         self._halt: tuple[int, str] | None = None  # (at_step, reason)
         self._backend = backend_for(model)
-        # Free host buffers are capped like the outbox: together they hold at most twice its bound.
-        self._recorder = Recorder(model, self._backend, capture, host_pool_bytes=stream.max_queue_bytes)
         hello = pb.Hello(
             protocol_version=PROTOCOL_VERSION,
             session=session,
@@ -92,7 +93,20 @@ class Monitor:
             reference=reference,
             precision=precision if precision != "auto" else self._backend.float32_matmul_precision(),
         )
-        self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
+        if sender == "auto":
+            # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
+            sender = ("process" if capture.capture != "stats" and SHARED_MEMORY_AVAILABLE
+                      and not self._backend.on_accelerator(model) else "thread")
+        self._client: StreamClient | SidecarClient
+        if sender == "process" and capture.capture != "stats":
+            self._client = SidecarClient(hello, stream, self._on_command, lambda: self._step)
+            host_memory = self._client.host_memory
+        else:  # statistics are a few KB a step: a sender process would cost more than it saves
+            self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
+            host_memory = None
+        # Free host buffers are capped like the outbox: together they hold at most twice its bound.
+        self._recorder = Recorder(model, self._backend, capture, host_pool_bytes=stream.max_queue_bytes,
+                                  host_memory=host_memory)
         self._client.add_manifest([], self._recorder.parameter_infos)
         self._client.start()
         self._recorder.set_active(self._captures(0))
@@ -222,6 +236,7 @@ def attach(
     precision: str = "auto",
     sketch: bool = False,
     compression: str = "auto",
+    sender: str = "auto",
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -255,6 +270,13 @@ def attach(
             "auto" (zstd, except for a dtype it shrinks by under 10%, such as
             float32 activations: there the CPU is worth more than the bytes).
             Use "zstd" over slow links.
+        sender: where full tensors are encoded and sent: "thread" (a thread of
+            this process), "process" (a sender process reading the tensor copies
+            from shared memory, so its work never holds this process's GIL), or
+            "auto": "process" for capture "tensors" and "lossy" of a model on
+            the CPU where shared memory exists (Linux), else "thread" (an
+            accelerator's copies stay asynchronous only into the thread
+            sender's pinned buffers).  Statistics always use a thread.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -265,6 +287,10 @@ def attach(
         raise ValueError("lockstep must be >= 0")
     if precision not in ("auto", "fp32", "tf32"):
         raise ValueError(f"precision must be 'auto', 'fp32' or 'tf32', got {precision!r}")
+    if sender not in ("auto", "thread", "process"):
+        raise ValueError(f"sender must be 'auto', 'thread' or 'process', got {sender!r}")
+    if sender == "process" and not SHARED_MEMORY_AVAILABLE:
+        raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
     resolved_rank = rank if rank is not None else _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
     resolved_world = world_size if world_size is not None else _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
     if not 0 <= resolved_rank < resolved_world:
@@ -287,4 +313,5 @@ def attach(
         lockstep_timeout=lockstep_timeout,
         stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes,
                             compression=compression),
+        sender=sender,
     )

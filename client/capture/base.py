@@ -96,6 +96,14 @@ class CaptureBackend(ABC):
         """A new host buffer of ``nbytes`` bytes for the pool (page-locked where that makes copies async)."""
         return np.empty(nbytes, dtype=np.uint8)
 
+    def on_accelerator(self, model: Module) -> bool:
+        """True when the model's parameters live on an accelerator (host copies of its tensors cross a bus)."""
+        return False
+
+    def wrap_host(self, array: np.ndarray) -> Any:
+        """A pool buffer over memory allocated elsewhere (a ``uint8`` array, e.g. shared with the sender process)."""
+        return array
+
     def host_copies_fence(self) -> Callable[[], None] | None:
         """A wait for every host copy started so far (None: copies are already complete).
 

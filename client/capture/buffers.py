@@ -16,14 +16,28 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+
+class HostMemory(Protocol):
+    """Where pool buffers come from when not from the framework (e.g. memory shared with a sender process)."""
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A new ``uint8`` array of ``nbytes`` bytes."""
+
+    def discard(self, buffer: Any, nbytes: int) -> None:
+        """The pool let go of ``buffer`` (a wrapper of an allocated array): it will not be used again."""
 
 
 class HostBufferPool:
     """Free host buffers by size; ``allocate(nbytes)`` makes a new one."""
 
-    def __init__(self, allocate: Callable[[int], Any], max_free_bytes: int) -> None:
+    def __init__(self, allocate: Callable[[int], Any], max_free_bytes: int,
+                 on_discard: Callable[[Any, int], None] | None = None) -> None:
         self._allocate = allocate
+        self._on_discard = on_discard
         self._max_free_bytes = max_free_bytes
         self._free: dict[int, list[Any]] = {}
         self._free_bytes = 0
@@ -45,11 +59,14 @@ class HostBufferPool:
     def give(self, buffer: Any, nbytes: int) -> None:
         """Return a buffer nobody reads any more; kept unless the free cap is reached."""
         with self._lock:
-            if self._free_bytes + nbytes > self._max_free_bytes:
+            keep = self._free_bytes + nbytes <= self._max_free_bytes
+            if keep:
+                self._free.setdefault(nbytes, []).append(buffer)
+                self._free_bytes += nbytes
+            else:
                 self.stats.discarded += 1
-                return
-            self._free.setdefault(nbytes, []).append(buffer)
-            self._free_bytes += nbytes
+        if not keep and self._on_discard is not None:
+            self._on_discard(buffer, nbytes)
 
     @property
     def free_bytes(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from twinstep.capture.base import CaptureBackend, RemovableHandle
-from twinstep.capture.buffers import HostBufferPool, HostTensor
+from twinstep.capture.buffers import HostBufferPool, HostMemory, HostTensor
 from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
 from twinstep.layouts import is_in_out
 from twinstep.sketch import SketchSpec
@@ -164,7 +164,8 @@ class _StepBuffer:
 class Recorder:
     """Hooks one model and records each step; all methods run on the training thread."""
 
-    def __init__(self, model: Any, backend: CaptureBackend, config: CaptureConfig, host_pool_bytes: int = 1 << 30) -> None:
+    def __init__(self, model: Any, backend: CaptureBackend, config: CaptureConfig, host_pool_bytes: int = 1 << 30,
+                 host_memory: HostMemory | None = None) -> None:
         self.backend = backend
         self.config = config
         self._handles: list[RemovableHandle] = []
@@ -177,7 +178,10 @@ class Recorder:
         self.parameter_infos: list[pb.ParameterInfo] = []
         self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
         self._pool = (
-            HostBufferPool(backend.allocate_host, max_free_bytes=host_pool_bytes) if config.capture != "stats" else None
+            HostBufferPool(
+                (lambda n: backend.wrap_host(host_memory.allocate(n))) if host_memory else backend.allocate_host,
+                max_free_bytes=host_pool_bytes, on_discard=host_memory.discard if host_memory else None,
+            ) if config.capture != "stats" else None
         )
         # Parameters stored as the transpose of the canonical layout: sketched by the canonical index.
         self._transposed: set[int] = set()

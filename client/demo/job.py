@@ -136,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inject a divergence: tanh GELU in layers.1.mlp.act, or lr 1.1e-3")
     p.add_argument("--capture", choices=("stats", "tensors", "lossy"), default="stats")
     p.add_argument("--sketch", action="store_true", help="also send a count-sketch of every floating tensor")
+    p.add_argument("--sender", choices=("auto", "thread", "process"), default="auto",
+                   help="where full tensors are encoded and sent (twinstep.attach's sender)")
     p.add_argument("--no-monitor", action="store_true", help="train without twinstep")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="sleep per step (simulate a slow job)")
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
         mon = twinstep.attach(
             trainer.inner, session=args.session, run=run, baseline=args.baseline, reference=args.reference,
-            server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep,
+            server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep, sender=args.sender,
         )
         halted_type = twinstep.Halted
 
@@ -195,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                 "losses": losses,
                 "rank": rank,
             }
+            if not args.no_monitor:
+                stats = mon.stats
+                result.update(steps_sent=stats.steps_sent, dropped=dict(stats.dropped), tensor_bytes=stats.tensor_bytes)
             with open(args.result_file, "w") as f:
                 json.dump(result, f)
     return 0

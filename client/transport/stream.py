@@ -149,6 +149,21 @@ class StreamClient:
         self._closing = True
         self._stopped.set()
 
+    @property
+    def pending_steps(self) -> int:
+        """Steps queued or sent but not yet acknowledged by the server."""
+        with self._cond:
+            return len(self._steps)
+
+    @property
+    def credit(self) -> int:
+        """The highest step the server lets this run send (-1 until welcomed)."""
+        return self._credit
+
+    @property
+    def welcomed(self) -> bool:
+        return self._welcomed
+
     # -- training thread ----------------------------------------------------
 
     def start(self) -> None:

@@ -133,6 +133,9 @@ class PaddleBackend(CaptureBackend):
         # .numpy() is one device-to-host copy into fresh memory; bfloat16 arrives as its uint16 bits.
         return x.numpy(), None
 
+    def on_accelerator(self, model: paddle.nn.Layer) -> bool:
+        return any(not p.place.is_cpu_place() for p in model.parameters())
+
     def storage_array(self, copy: np.ndarray) -> np.ndarray:
         return copy
 

@@ -135,6 +135,12 @@ class TorchBackend(CaptureBackend):
         # Pinned (page-locked) memory only where a CUDA device copies into it asynchronously.
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
+    def on_accelerator(self, model: torch.nn.Module) -> bool:
+        return any(p.device.type != "cpu" for p in model.parameters())
+
+    def wrap_host(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array)  # shares the array's memory
+
     def host_copies_fence(self) -> Callable[[], None] | None:
         if not self._copies_in_flight:
             return None
