@@ -464,7 +464,7 @@ def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[R
               f"<= {TARGETS[hidden]:.2f}x; measured {ratio:.3f}x wall, {cpu_ratio:.3f}x cpu")
     for row in [r for r in by_row if r.mode in ("tensors", "lossy")]:
         ratio = statistics.median(by_row[row].times) / base
-        print(f"        twinstep {row.mode} target (every module, every step): <= {TENSOR_TARGET:.2f}x; "
+        print(f"        {row.label} target (every module, every step): <= {TENSOR_TARGET:.2f}x; "
               f"measured {ratio:.3f}x wall")
 
 
