@@ -43,7 +43,7 @@ logger = logging.getLogger("twinstep")
 _HEADER = struct.Struct("<I")
 # StepBatch fields that are callables or tensors of this process: rebuilt on the other side.
 _LOCAL_FIELDS = frozenset({"tensors", "storage_array", "release", "copies_ready"})
-_START_TIMEOUT_S = 60.0
+_CONNECT_WAIT_S = 15.0
 
 
 # -- frames: a 4-byte length, then a pickle; descriptors ride along with SCM_RIGHTS ----------
@@ -124,6 +124,8 @@ class SidecarClient:
         self._closing = False
         self._dead = False
         self._closed = threading.Event()
+        # The sender has connected (welcomed), failed to, or is gone: lockstep may judge credit from here on.
+        self._settled = threading.Event()
         self._warned: set[str] = set()
         self.buffers = SharedBuffers(self._announce)
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -216,7 +218,13 @@ class SidecarClient:
         return True
 
     def wait_for_credit(self, step: int, timeout: float, interrupted: Callable[[], bool]) -> bool:
+        """As StreamClient's, after first giving the sender process up to 15 s to connect.
+
+        A thread sender is connected within milliseconds of attach; a sender
+        process first starts an interpreter, and lockstep should hold from the first step.
+        """
         deadline = time.monotonic() + timeout
+        self._settled.wait(min(timeout, _CONNECT_WAIT_S))
         with self._cond:
             while self._credit < step and self._welcomed and not interrupted() and not self._dead:
                 remaining = deadline - time.monotonic()
@@ -302,6 +310,8 @@ class SidecarClient:
                     setattr(self.stats, name, state[name])
                 self._merge_dropped()
                 self._cond.notify_all()
+            if state["welcomed"] or state["reconnects"] or state["rejected"]:
+                self._settled.set()
             if kind == "closed":
                 self._closed.set()
 
@@ -368,6 +378,7 @@ class SidecarClient:
         if not self._closing:
             self._warn_once("lost", "twinstep: %s; training continues without sending its steps", why)
         self._closed.set()
+        self._settled.set()
 
     def _stop_process(self) -> None:
         proc = self._proc

@@ -155,3 +155,17 @@ def test_auto_picks_a_sender_process_for_tensors_of_a_cpu_model_only(server):
     assert chosen == {"stats": StreamClient, "tensors": SidecarClient, "lossy": SidecarClient}
     with pytest.raises(ValueError, match="sender must be"):
         twinstep.attach(model, session="bad", run="torch", server=server.address, sender="fork")
+
+
+@pytest.mark.parametrize("server", [{"halt_on_divergence": True}], indirect=True)
+def test_lockstep_holds_from_the_first_step_while_the_sender_process_starts(server, jobs):
+    """The sender process connects a second after attach; lockstep must not let a fast run go ahead meanwhile."""
+    extra = ["--sender", "process", "--lockstep", "1"]
+    base = jobs("torch", server=server.address, session="sender-lockstep", baseline=True, steps=200,
+                capture="tensors", extra=extra)
+    cand = jobs("paddle", server=server.address, session="sender-lockstep", bug="gelu_tanh", steps=200,
+                capture="tensors", extra=extra)
+    base_result, cand_result = base.wait(), cand.wait()
+    assert base_result.halted and cand_result.halted, base_result.output + cand_result.output
+    # The divergence is at step 0: with lockstep 1 neither job got further than a few steps.
+    assert base_result.result["steps_completed"] <= 3 and cand_result.result["steps_completed"] <= 3
