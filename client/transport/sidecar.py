@@ -298,6 +298,8 @@ class SidecarClient:
                     entry[1](entry[0])
         elif kind == "command":
             self._on_command(pb.Command.FromString(message[1]))
+        elif kind == "ask_step":  # a halt is being prepared: the server needs the step training is at now
+            self._queue_control(("step", message[1], self._current_step()))
         elif kind == "log":
             logger.log(message[1], "%s", message[2])
         elif kind in ("state", "closed"):

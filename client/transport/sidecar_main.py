@@ -26,6 +26,8 @@ from twinstep.v1 import twinstep_pb2 as pb
 logger = logging.getLogger("twinstep")
 
 _STATE_EVERY_S = 0.02
+# How long answering a halt may wait for the training process to say its current step.
+_ASK_STEP_TIMEOUT_S = 1.0
 _LOST_PARENT_TIMEOUT_S = 2.0
 
 
@@ -38,6 +40,8 @@ class Sender:
         self._regions: dict[int, Any] = {}
         self._current_step = 0
         self._received = 0  # batch frames taken in
+        self._asked: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._asks = 0
         self._client: StreamClient | None = None
         self._done = threading.Event()
 
@@ -67,12 +71,18 @@ class Sender:
         if kind == "start":
             _, hello, config = message
             self._client = StreamClient(pb.Hello.FromString(hello), StreamConfig(**config), self._on_command,
-                                        lambda: self._current_step)
+                                        self._live_step)
             self._client.start()
             threading.Thread(target=self._report_state, name="twinstep-sidecar-state", daemon=True).start()
         elif kind == "segment":
             _, number, nbytes = message
             self._regions[number] = map_shared(reader.fds.popleft(), nbytes)
+        elif kind == "step":
+            _, token, step = message
+            waiting = self._asked.get(token)
+            if waiting is not None:
+                waiting[1].append(step)
+                waiting[0].set()
         elif kind == "forget":
             region = self._regions.pop(message[1], None)
             if region is not None:
@@ -119,6 +129,18 @@ class Sender:
             host.buffer = host.copy = None
         if numbers:
             self.reply(("release", numbers))
+
+    def _live_step(self) -> int:
+        """The training's current step, asked of the training process (the last batch's, if it does not answer)."""
+        self._asks += 1
+        token, answered, value = self._asks, threading.Event(), []
+        self._asked[token] = (answered, value)
+        try:
+            self.reply(("ask_step", token))
+            answered.wait(_ASK_STEP_TIMEOUT_S)
+        finally:
+            del self._asked[token]
+        return value[0] if value else self._current_step
 
     def _on_command(self, command: pb.Command) -> None:
         self.reply(("command", command.SerializeToString()))

@@ -169,3 +169,26 @@ def test_lockstep_holds_from_the_first_step_while_the_sender_process_starts(serv
     assert base_result.halted and cand_result.halted, base_result.output + cand_result.output
     # The divergence is at step 0: with lockstep 1 neither job got further than a few steps.
     assert base_result.result["steps_completed"] <= 3 and cand_result.result["steps_completed"] <= 3
+
+
+def test_a_halt_is_prepared_with_the_training_s_live_step(server):
+    """HALT_PREPARE (sent to multi-rank runs) is answered with the step training is at now, asked of the training process."""
+    import torch
+
+    import twinstep
+
+    model = torch.nn.Linear(8, 8)
+    mon = twinstep.attach(model, session="live-step", run="torch", baseline=True, server=server.address,
+                          capture="tensors", sender="process", rank=0, world_size=2)
+    try:
+        for _ in range(5):
+            model(torch.randn(2, 8)).sum().backward()
+            mon.step()
+        wait_for(lambda: mon._client.pending_steps == 0, timeout=30)
+        assert mon.current_step == 5
+        server.halt("live-step", reason="operator")
+        at_step, _ = wait_for(lambda: mon._halt, timeout=30)
+        # The last batch was sent during step 4; the live answer is step 5, so the halt lands on step 6.
+        assert at_step == 6
+    finally:
+        mon.close()
