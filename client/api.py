@@ -100,7 +100,7 @@ class Monitor:
         self._client: StreamClient | SidecarClient
         if sender == "process" and capture.capture != "stats":
             self._client = SidecarClient(hello, stream, self._on_command, lambda: self._step)
-            host_memory = self._client.host_memory
+            host_memory = self._client  # its shared buffers are the pool's
         else:  # statistics are a few KB a step: a sender process would cost more than it saves
             self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
             host_memory = None

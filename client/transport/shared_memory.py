@@ -1,9 +1,8 @@
 """Host buffers in shared memory, so the sender process reads tensor copies where the training wrote them.
 
-Each buffer is its own anonymous memory file (``memfd``): no name in
-``/dev/shm`` to leak when a process dies, no ``/dev/shm`` size limit (64 MB in
-a default Docker container), and the kernel frees it once both processes have
-unmapped it.  The file descriptor travels once to the sender process over the
+Each buffer is its own anonymous memory file (``memfd``): no file under
+``/dev/shm`` to be left behind when a process dies, and the kernel frees it
+once both processes have unmapped it.  The file descriptor travels once to the sender process over the
 control socket (``SCM_RIGHTS``), which maps it; afterwards a tensor is named by
 its buffer's number alone.
 """

@@ -114,7 +114,7 @@ class Sender:
             hosts.append(host)
         batch = StepBatch(**state, tensors=hosts, release=self._release)
         # A step dropped here before it was encoded still gives its buffers back.
-        weakref.finalize(batch, self._release_numbers, hosts).atexit = False
+        weakref.finalize(batch, self._release_unencoded, hosts).atexit = False
         return batch
 
     def _release(self, host: HostTensor) -> None:
@@ -123,7 +123,8 @@ class Sender:
         if number is not None:
             self.reply(("release", [number]))
 
-    def _release_numbers(self, hosts: list[HostTensor]) -> None:
+    def _release_unencoded(self, hosts: list[HostTensor]) -> None:
+        """A batch is gone: give back the buffers of its tensors never encoded."""
         numbers = [h.buffer for h in hosts if h.buffer is not None]
         for host in hosts:
             host.buffer = host.copy = None

@@ -86,6 +86,7 @@ def test_training_goes_on_when_the_sender_process_dies(server, jobs):
                capture="tensors", extra=["--sender", "process", "--step-delay", "0.05"])
     sender = wait_for(lambda: _sender_of(job.process.pid), timeout=60)
     wait_for(lambda: _last_step(server, "sender-dies") >= 2)
+    time.sleep(0.2)  # the sender reports its counters every 20 ms: let the training process hear of those 3 steps
     os.kill(sender, signal.SIGKILL)
     start = time.monotonic()
     result = job.wait()
@@ -134,7 +135,10 @@ def test_shared_buffers_are_reused_step_after_step(server):
         mon.close()
     assert sizes[0] > 0
     assert sizes[-1] == sizes[1], sizes  # steps 2..8 reused the buffers of the first ones
-    assert mon._recorder.pool.stats.reused >= 6 * mon._recorder.pool.stats.allocated // 2
+    # Allocations happen in the first two steps at most (a step's buffers may not be back before the next);
+    # the six steps after them take every buffer from the pool.
+    pool = mon._recorder.pool.stats
+    assert pool.reused >= 6 * (pool.allocated // 2)
     assert mon.stats.steps_sent == 8 and not any(mon.stats.dropped.values())
     assert server.report("reuse")["runs"][0]["last_step"] == 7
 
