@@ -7,9 +7,10 @@ Variants run round-robin, so machine noise hits them alike; each figure is the
 median over the repetitions.  --cold evicts the caches (reads 96 MB) before
 every call, as for weights and gradients, which were last touched long ago;
 without it the tensor sits in cache, as a module output just written does.
-"chosen" is the backend's device_stats as shipped with its compiled kernel
-(torch: compiled here before timing; it serves float32 tensors from 512K
-elements), "eager" the same without that kernel; "/mean" the same on a
+"chosen" is the backend's device_stats as shipped, with the one-pass kernel
+(twinstep.moments, loaded here before timing), "numpy passes" the same
+without it (TWINSTEP_STATS_JIT=0: one numpy or framework pass per
+reduction); "/mean" the same on a
 large-mean tensor (1e4 + N(0, 1)), which takes the second, shifted pass;
 "device" the no-sync accelerator path run on CPU.  The last table gives the
 relative error of m2 on a large-mean tensor against float64, where naive
@@ -32,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from twinstep import moments  # noqa: E402
+
 SIZES = (1 << 10, 1 << 18, 1 << 20, 1 << 22)  # float32 elements: 4 KB .. 16 MB
 
 
@@ -53,6 +56,33 @@ def run(variants: dict[str, Callable[[Any], Any]], tensors: dict[str, Any], reps
             fn(x)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+_KERNEL = moments._LOADER  # the process's kernel loader, whichever one a variant swapped in last
+
+
+def kernel_loaders() -> tuple[Any, Any]:
+    """(loaded, off): the one-pass kernel ready, and a loader that never serves (the numpy passes)."""
+    start = time.perf_counter()
+    ready = _KERNEL.wait(120)
+    print(f"one-pass kernel (numba): {'ready' if ready else 'FAILED: ' + _KERNEL.state} "
+          f"in {time.perf_counter() - start:.1f} s")
+    saved = os.environ.get(moments.ENV_SWITCH)
+    os.environ[moments.ENV_SWITCH] = "0"
+    off = moments._Loader()
+    if saved is None:
+        del os.environ[moments.ENV_SWITCH]
+    else:
+        os.environ[moments.ENV_SWITCH] = saved
+    return _KERNEL, off
+
+
+def with_loader(loader: Any, stats_row: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def row(x: Any) -> Any:
+        moments._LOADER = loader
+        return stats_row(x)
+
+    return row
 
 
 def report(
@@ -89,24 +119,11 @@ def torch_section(reps: int) -> None:
     import torch
 
     from twinstep.capture.torch import TorchBackend
-    from twinstep.capture.torch import backend as torch_backend
     from twinstep.capture.torch.backend import _device_row
 
     torch.set_num_threads(1)
     backend = TorchBackend()
-    start = time.perf_counter()
-    fused = torch_backend._FusedKernel()
-    compiled = fused.compile_now()
-    print(f"torch.compile of the fused kernel: {'ready' if compiled else 'FAILED'} in {time.perf_counter() - start:.1f} s")
-    off = torch_backend._FusedKernel()
-    off._started = True  # never compiles: the eager path
-
-    def with_kernel(kernel: Any) -> Callable[[Any], Any]:
-        def stats_row(x: Any) -> Any:
-            torch_backend._FUSED = kernel
-            return backend.device_stats(x)
-
-        return stats_row
+    loaded, off = kernel_loaders()
 
     buffers: dict[int, torch.Tensor] = {}
 
@@ -137,10 +154,10 @@ def torch_section(reps: int) -> None:
         "before": before,
         "var_mean+aminmax": var_mean,
         "dot (drifts)": lambda x: float(torch.dot(x, x)),
-        "chosen": with_kernel(fused),
-        "chosen/mean": with_kernel(fused),
-        "eager": with_kernel(off),
-        "eager/mean": with_kernel(off),
+        "chosen": with_loader(loaded, backend.device_stats),
+        "chosen/mean": with_loader(loaded, backend.device_stats),
+        "numpy passes": with_loader(off, backend.device_stats),
+        "numpy/mean": with_loader(off, backend.device_stats),
         "device": lambda x: _device_row(x).tolist(),
     }
     report(f"torch {torch.__version__}", lambda a: torch.from_numpy(a), variants, reps)
@@ -152,8 +169,8 @@ def torch_section(reps: int) -> None:
     m2_errors({
         "torch naive (sum_sq - sum^2/n)": naive_m2,
         "torch var_mean * n": lambda a: float(torch.var_mean(torch.from_numpy(a), correction=0)[0]) * a.size,
-        "torch chosen": lambda a: with_kernel(fused)(torch.from_numpy(a))[-1],
-        "torch eager": lambda a: with_kernel(off)(torch.from_numpy(a))[-1],
+        "torch chosen": lambda a: with_loader(loaded, backend.device_stats)(torch.from_numpy(a))[-1],
+        "torch numpy passes": lambda a: with_loader(off, backend.device_stats)(torch.from_numpy(a))[-1],
         "torch device path": lambda a: float(_device_row(torch.from_numpy(a))[-1]),
     })
 
@@ -168,6 +185,7 @@ def paddle_section(reps: int) -> None:
 
     paddle.set_device("cpu")
     backend = PaddleBackend()
+    loaded, off = kernel_loaders()
     buffers: dict[int, Any] = {}
 
     def memcpy(x: Any) -> None:
@@ -188,8 +206,10 @@ def paddle_section(reps: int) -> None:
         "before": before,
         "vector_norm": lambda x: paddle.linalg.vector_norm(x).item(),
         "var": lambda x: paddle.var(x, unbiased=False).item(),
-        "chosen": backend.device_stats,
-        "chosen/mean": backend.device_stats,
+        "chosen": with_loader(loaded, backend.device_stats),
+        "chosen/mean": with_loader(loaded, backend.device_stats),
+        "numpy passes": with_loader(off, backend.device_stats),
+        "numpy/mean": with_loader(off, backend.device_stats),
         "device": lambda x: _device_row(x).numpy(),
     }
     report(f"paddle {paddle.__version__}", lambda a: paddle.to_tensor(a), variants, reps)
@@ -201,7 +221,8 @@ def paddle_section(reps: int) -> None:
     m2_errors({
         "paddle naive (sum_sq - sum^2/n)": naive_m2,
         "paddle var * n": lambda a: float(paddle.var(paddle.to_tensor(a), unbiased=False).item()) * a.size,
-        "paddle chosen": lambda a: backend.device_stats(paddle.to_tensor(a))[-1],
+        "paddle chosen": lambda a: with_loader(loaded, backend.device_stats)(paddle.to_tensor(a))[-1],
+        "paddle numpy passes": lambda a: with_loader(off, backend.device_stats)(paddle.to_tensor(a))[-1],
         "paddle device path": lambda a: float(_device_row(paddle.to_tensor(a)).numpy()[-1]),
     })
 

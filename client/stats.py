@@ -22,6 +22,8 @@ from typing import Callable
 
 import numpy as np
 
+from twinstep import moments
+
 #: Columns computed on the device, in this order, by every capture backend.
 DEVICE_FIELDS = ("sum", "sum_sq", "min", "max", "abs_max", "nan_count", "inf_count", "m2")
 #: All columns of a statistics table; ``count`` is known on the host from the shape.
@@ -119,8 +121,9 @@ def of_array(values: np.ndarray) -> dict[str, np.ndarray]:
 # -- the capture backends' CPU kernel -------------------------------------------
 #
 # Both backends hand a zero-copy numpy view of a CPU tensor (float32 or
-# float64) to host_row.  It makes one pass per reduction with no full-size
-# temporary: min and max (NaN propagates, so they also prove there is no
+# float64) to host_row.  Dense arrays take one compiled pass for the sums and
+# extrema (twinstep.moments) once it has loaded.  Before that, or without it,
+# host_row makes one pass per reduction with no full-size temporary: min and max (NaN propagates, so they also prove there is no
 # NaN/Inf), the sum (the framework's cascade sum for large tensors, numpy's
 # pairwise sum for small ones), and the sum of squares as float32 dot products
 # of 1024-element rows summed in float64 (a single dot or norm accumulates
@@ -160,6 +163,12 @@ def host_row(
     n = values.size
     if n == 0:
         return (0.0,) * len(DEVICE_FIELDS)
+    fused = moments.one_pass(values)
+    if fused is not None:
+        total, sum_sq, lo, hi = fused
+        if not (math.isfinite(total) and math.isfinite(sum_sq)):  # NaN/Inf, or float32 squares overflowed
+            return _wide_row(values)
+        return finish_row(values, total, sum_sq, lo, hi, unit=_RANGE_AND_UNIT[values.itemsize][2])
     if framework_extrema is not None:
         lo, hi = framework_extrema()
     else:

@@ -8,14 +8,13 @@ CUDA tests at the end run only where CUDA exists.
 
 from __future__ import annotations
 
-import threading
 import tracemalloc
 
 import numpy as np
 import pytest
 
 from tests.unit_tests.test_stats import _exact_m2, _rng
-from twinstep import stats
+from twinstep import moments, stats
 from twinstep.v1 import twinstep_pb2 as pb
 
 N_FIELDS = len(stats.DEVICE_FIELDS)
@@ -109,28 +108,43 @@ def _framework(name: str):
     return _made[name]
 
 
+_KERNEL_LOADER = moments._LOADER  # the process's one-pass kernel (twinstep.moments)
+
+
 @pytest.fixture(autouse=True)
-def _eager_torch_statistics(monkeypatch):
-    """Tests see the eager CPU path, deterministically; the compiled kernel has its own test."""
-    try:
-        from twinstep.capture.torch import backend as torch_backend
-    except ImportError:
-        return
-    monkeypatch.setenv("TWINSTEP_STATS_COMPILE", "0")
-    monkeypatch.setattr(torch_backend, "_FUSED", torch_backend._FusedKernel())
+def _numpy_statistics(monkeypatch):
+    """Tests see the multi-pass numpy path unless they ask for the one-pass kernel (``use_kernel``)."""
+    monkeypatch.setenv(moments.ENV_SWITCH, "0")
+    monkeypatch.setattr(moments, "_LOADER", moments._Loader())
 
 
-@pytest.fixture(params=["torch", "paddle"])
-def fw(request):
-    return _framework(request.param)
+def use_kernel(monkeypatch) -> None:
+    """Route CPU statistics through the compiled one-pass kernel (numba is a dependency: it must load)."""
+    assert _KERNEL_LOADER.wait(120), f"one-pass kernel did not load: {_KERNEL_LOADER.state}"
+    monkeypatch.setattr(moments, "_LOADER", _KERNEL_LOADER)
 
 
-@pytest.fixture(params=["torch-cpu", "torch-device", "paddle-cpu", "paddle-device"])
-def impl(request):
-    """(framework, row function): both implementations of each backend, on CPU tensors."""
+@pytest.fixture(params=["torch", "paddle", "torch-kernel", "paddle-kernel"])
+def fw(request, monkeypatch):
+    """A backend; ``-kernel``: with the one-pass kernel loaded."""
+    name, _, kernel = request.param.partition("-")
+    if kernel:
+        use_kernel(monkeypatch)
+    return _framework(name)
+
+
+@pytest.fixture(params=["torch-cpu", "torch-kernel", "torch-device", "paddle-cpu", "paddle-kernel", "paddle-device"])
+def impl(request, monkeypatch):
+    """(framework, row function): each backend's implementations, on CPU tensors.
+
+    ``cpu`` is the CPU path with numpy's passes, ``kernel`` the same with the
+    one-pass kernel loaded, ``device`` the accelerator path.
+    """
     name, path = request.param.split("-")
     framework = _framework(name)
-    if path == "cpu":
+    if path == "kernel":
+        use_kernel(monkeypatch)
+    if path in ("cpu", "kernel"):
         return framework, lambda t: _host(framework, framework.backend.device_stats(t))
     return framework, lambda t: _host(framework, framework.device_path(t))
 
@@ -380,52 +394,18 @@ def test_cpu_path_writes_no_full_size_temporary(fw):
             assert max((e.cpu_memory_usage for e in prof.events()), default=0) <= nbytes // 16
 
 
-def test_torch_compiled_single_pass_matches_reference():
-    # The fused kernel (torch.compile, compiled here synchronously) serves large float32
-    # tensors once ready; it must give the reference numbers, NaN handling and stable m2 included.
-    fw = _framework("torch")
-    torch = fw.torch
-    from twinstep.capture.torch import backend as torch_backend
-
-    kernel = torch_backend._FusedKernel()
-    assert kernel.run(torch.ones(4)) is None  # not compiled yet
-    kernel.spent(1e9)
-    assert kernel.run(torch.ones(4)) is None  # turned off (by the fixture): never starts by itself
-    if not kernel.compile_now():
-        pytest.skip("torch.compile unavailable here (no C++ compiler?)")
-    saved, torch_backend._FUSED = torch_backend._FUSED, kernel
-    try:
-        n = torch_backend._FUSED_MIN
-        cases = {
-            "normal": _rng().normal(0.3, 2.0, size=n),
-            "large mean": 1e4 + _rng().standard_normal(n),
-            "tiny": 1e-25 * _rng().normal(1.0, 1.0, size=n),
-            "nan": np.where(np.arange(n) % 1000 == 7, np.nan, _rng().standard_normal(n)),
-        }
-        for name, x in cases.items():
-            t = fw.make(x, "float32")
-            assert kernel.run(t) is not None, name  # the compiled path serves it
-            row = _host(fw, fw.backend.device_stats(t))
-            _assert_matches_reference(row, fw.exact_values(t), 1e-7, m2_rtol=2e-6)
-        with torch.inference_mode():  # global state the compiled code was not made for: eager path
-            assert kernel.run(torch.ones(n)) is None
-    finally:
-        torch_backend._FUSED = saved
-
-
-def test_torch_compile_starts_only_once_eager_time_adds_up(monkeypatch):
-    # Compiling costs seconds of CPU: a short run, or one whose tensors are small, never pays it.
-    _framework("torch")
-    from twinstep.capture.torch import backend as torch_backend
-
-    monkeypatch.setenv("TWINSTEP_STATS_COMPILE", "1")
-    kernel = torch_backend._FusedKernel()
-    started = threading.Event()
-    monkeypatch.setattr(kernel, "_compile", started.set)
-    kernel.spent(torch_backend._COMPILE_AFTER_S / 2)
-    assert not started.wait(0.2)
-    kernel.spent(torch_backend._COMPILE_AFTER_S / 2)
-    assert started.wait(5.0)
+@pytest.mark.parametrize("name", ["torch", "paddle"])
+def test_cpu_statistics_take_the_one_pass_kernel_once_loaded(name, monkeypatch):
+    fw = _framework(name)
+    use_kernel(monkeypatch)
+    real, sizes = _KERNEL_LOADER._kernel, []
+    monkeypatch.setattr(_KERNEL_LOADER, "_kernel", lambda a: sizes.append(a.size) or real(a))
+    t = fw.make(_rng().normal(0.3, 2.0, size=(64, 4096)), "float32")
+    _assert_matches_reference(_host(fw, fw.backend.device_stats(t)), fw.exact_values(t), 1e-6)
+    _assert_matches_reference(_host(fw, fw.backend.device_stats(fw.transpose(t))), fw.exact_values(t), 1e-6)
+    small = fw.make(_rng().normal(size=300), "float64")
+    _assert_matches_reference(_host(fw, fw.backend.device_stats(small)), fw.exact_values(small), 1e-12)
+    assert sizes == [64 * 4096, 64 * 4096, 300]  # a transposed tensor is read in memory order
 
 
 # -- the recorder computes each tensor's statistics once per step -----------------------

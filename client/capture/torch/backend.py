@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -201,130 +199,22 @@ def _collect(value: Any, found: list[torch.Tensor]) -> None:
 
 # -- statistics ----------------------------------------------------------------
 #
-# CPU tensors: twinstep.stats.host_row on a zero-copy numpy view (row-wise
-# sums of squares, and everything for small tensors: each torch op costs ~3 us
-# of dispatch, numpy's less), with torch's cascade sum and aminmax for large
-# tensors, where they beat numpy's.  From 512K float32 elements, once
-# compiled, one torch.compile'd pass over rows of 1024 replaces those three
-# (_FusedKernel): fewer reads matter most for tensors no longer in cache.
-# torch.var_mean (Welford) is stable but ~10x a memcpy on CPU, and a
-# compiled reduction over the flat tensor ran slower than the eager passes.
-# Figures: benchmarks/stats_kernels.py.
+# CPU tensors: twinstep.stats.host_row on a zero-copy numpy view: one compiled
+# pass (twinstep.moments) once it has loaded; before that, row-wise sums of
+# squares in numpy, with torch's cascade sum and aminmax (one pass for both)
+# for large tensors, where they beat numpy's, and numpy for small ones (each
+# torch op costs ~3 us of dispatch, numpy's less).  torch.var_mean (Welford)
+# is stable but ~10x a memcpy on CPU.  Figures: benchmarks/stats_kernels.py.
 #
 # Other devices: everything stays on the device (_device_row); stats_to_host
 # copies all records of a step at once.
 
 
 def _host_row(x: torch.Tensor) -> tuple[float, ...]:
-    n = x.numel()
-    if n < _TORCH_REDUCE_MIN:
+    if x.numel() < _TORCH_REDUCE_MIN:
         return stats.host_row(_view(x))
     x = _in_memory_order(x)
-    if n >= _FUSED_MIN and n % _FUSED_ROW == 0 and x.dtype == torch.float32 and x.is_contiguous():
-        reductions = _FUSED.run(x)
-        if reductions is not None:
-            return stats.finish_row(_view(x), *reductions, unit=_FUSED_UNIT)
-        start = time.perf_counter()
-        row = stats.host_row(_view(x), lambda: float(x.sum()), lambda: _extrema(x))
-        _FUSED.spent(time.perf_counter() - start)
-        return row
     return stats.host_row(_view(x), lambda: float(x.sum()), lambda: _extrema(x))
-
-
-def _fused_reductions(rows: torch.Tensor) -> torch.Tensor:
-    """sum, sum of squares, min, max of float32 rows in one pass: row results in float32, their sums in float64.
-
-    Accumulating in float64 throughout is ~25% slower (half the vector lanes) for
-    errors that float32 rows of 1024 already keep near 1e-9.
-    """
-    return torch.stack([
-        rows.sum(1).double().sum(),
-        (rows * rows).sum(1).double().sum(),
-        rows.amin(1).amin().double(),
-        rows.amax(1).amax().double(),
-    ])
-
-
-class _FusedKernel:
-    """:func:`_fused_reductions` compiled by torch.compile (inductor, C++) on a background thread.
-
-    Large float32 tensors are read once instead of three times, which matters
-    most for tensors that no longer sit in cache (weights, their gradients).
-    Compiling costs seconds of CPU (half a minute on a machine without
-    inductor's disk cache) and saves a fraction of the eager time, so it
-    starts only once large tensors have cost the eager path
-    :data:`_COMPILE_AFTER_S` -- a long run at a size where it pays -- and the
-    eager path serves until it is done; if it fails (no C++ compiler, an old
-    torch), the eager path serves for good.  The compiled code runs in
-    dynamo's run-only mode: a call whose global state (autocast, inference
-    mode) would need a new compile runs the Python function instead, so
-    such calls are sent to the eager path first.  TWINSTEP_STATS_COMPILE=0
-    turns it off.
-    """
-
-    def __init__(self) -> None:
-        self._run: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._eager_seconds = 0.0
-        # Turned off counts as already started: run() never starts a compile then.
-        self._started = os.environ.get("TWINSTEP_STATS_COMPILE", "1").strip().lower() in ("0", "false", "no", "off")
-        self._lock = threading.Lock()
-
-    def run(self, x: torch.Tensor) -> tuple[float, float, float, float] | None:
-        """(sum, sum_sq, min, max) of a contiguous float32 CPU tensor, or None while not compiled."""
-        run = self._run
-        if run is None:
-            return None
-        if x.is_inference() or torch.is_autocast_enabled("cpu") or torch.is_inference_mode_enabled():
-            return None
-        with torch.no_grad():
-            total, sum_sq, lo, hi = run(x.view(-1, _FUSED_ROW)).tolist()
-        return total, sum_sq, lo, hi
-
-    def spent(self, seconds: float) -> None:
-        """Eager time on a tensor the kernel would have served; starts compiling when it adds up."""
-        self._eager_seconds += seconds
-        if self._eager_seconds >= _COMPILE_AFTER_S and not self._started:
-            self._start()
-
-    def compile_now(self) -> bool:
-        """Compile on the calling thread (tests, benchmarks); True when the kernel is ready."""
-        with self._lock:
-            self._started = True
-        self._compile()
-        return self._run is not None
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._started:
-                return
-            self._started = True
-        threading.Thread(target=self._compile, name="twinstep-stats-compile", daemon=True).start()
-
-    def _compile(self) -> None:
-        try:
-            compiled = torch.compile(_fused_reductions, dynamic=True)
-            with torch.no_grad():
-                sample = torch.linspace(-3.0, 5.0, 8 * _FUSED_ROW).view(8, _FUSED_ROW)
-                for rows in (sample[:4], sample):  # two row counts: the row count stays symbolic
-                    got = compiled(rows).tolist()
-                wide = sample.double()
-                expected = [wide.sum().item(), (wide * wide).sum().item(), -3.0, 5.0]
-                if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(got, expected)):
-                    raise RuntimeError(f"compiled statistics {got} differ from {expected}")
-            self._run = torch._dynamo.run(compiled)
-        except Exception:  # no compiler, unsupported platform: the eager path stays
-            logger.info("twinstep: compiled statistics unavailable; eager statistics serve", exc_info=True)
-
-
-#: Fused kernel rows, and the smallest tensor for which one compiled call (~60 us
-#: of guards and dispatch) beats three eager passes.
-_FUSED_ROW = 1024
-_FUSED_MIN = 1 << 19
-#: Eager statistics time on large float32 tensors after which compiling pays.
-_COMPILE_AFTER_S = 10.0
-#: Relative error bound of the fused sums: the eager path's float32 bound.
-_FUSED_UNIT = stats.unit_roundoff(4)
-_FUSED = _FusedKernel()
 
 
 def _in_memory_order(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""numba source of :mod:`twinstep.moments`'s kernel.
+
+Imported only by :mod:`twinstep.moments`, on its background thread: importing
+numba takes about half a second.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: Elements summed in the array's dtype before the row's sums join the float64 totals
+#: (the eager path's row length: float32 rows of 1024 keep sums good to ~1e-9).
+ROW = 1024
+
+
+def _min_max_intrinsic(name: str):  # noqa: ANN202 (a numba intrinsic)
+    """llvm.minnum/maxnum marked no-NaN, no-signed-zero: the form LLVM vectorises as a reduction.
+
+    numba's own min() branches on NaN, which keeps the loop scalar (10x slower).
+    Under these flags a NaN element leaves the extrema undefined; the sums still
+    propagate it, which is how the caller detects it.
+    """
+
+    @intrinsic
+    def op(typingctx, a, b):  # noqa: ANN001, ANN202
+        if not (isinstance(a, types.Float) and a == b):
+            return None
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            lty = context.get_value_type(signature.return_type)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(lty, [lty, lty]), f"llvm.{name}.f{a.bitwidth}"
+            )
+            return builder.call(fn, args, fastmath=("nnan", "nsz"))
+
+        return a(a, b), codegen
+
+    return op
+
+
+_fmin = _min_max_intrinsic("minnum")
+_fmax = _min_max_intrinsic("maxnum")
+
+_SIGNATURES = [
+    types.UniTuple(types.float64, 4)(types.Array(types.float32, 1, "C", readonly=readonly))
+    for readonly in (False, True)
+] + [
+    types.UniTuple(types.float64, 4)(types.Array(types.float64, 1, "C", readonly=readonly))
+    for readonly in (False, True)
+]
+
+
+def _moments(x):  # noqa: ANN001, ANN202
+    """(sum, sum of squares, min, max) of a non-empty 1-D array in one pass."""
+    n = x.size
+    total = 0.0
+    sum_sq = 0.0
+    lo = x[0]
+    hi = x[0]
+    zero = x[0] - x[0]  # 0 in the array's dtype (NaN if x[0] is: then the sums are NaN anyway)
+    for start in range(0, n, ROW):
+        end = min(start + ROW, n)
+        s = zero
+        q = zero
+        row_lo = x[start]
+        row_hi = x[start]
+        for i in range(start, end):
+            v = x[i]
+            s += v
+            q += v * v
+            row_lo = _fmin(row_lo, v)
+            row_hi = _fmax(row_hi, v)
+        total += s
+        sum_sq += q
+        lo = _fmin(lo, row_lo)
+        hi = _fmax(hi, row_hi)
+    return total, sum_sq, np.float64(lo), np.float64(hi)
+
+
+def compile_moments(cache: bool = True):  # noqa: ANN201 (a numba dispatcher)
+    """The compiled kernel for the four signatures above (loaded from numba's cache when there).
+
+    Compiling for given signatures happens here, once; afterwards the dispatcher
+    refuses other types instead of compiling on the training thread.
+    """
+    # reassoc lets the sums use vector lanes; no flag assumes finite values, so a NaN or
+    # Inf element still makes the sums non-finite.
+    kernel = numba.njit(_SIGNATURES, fastmath={"reassoc", "contract"}, nogil=True, cache=cache)(_moments)
+    kernel.disable_compile()
+    return kernel
