@@ -11,8 +11,8 @@ it differs:
 
     unhooked            no tool
     twinstep stats      twinstep.attach(capture="stats")
-    twinstep stats, numpy passes   the same without the one-pass statistics kernel
-                        (TWINSTEP_STATS_JIT=0): what it saves, measured in the run
+    twinstep stats, numpy passes   the same without the compiled kernels
+                        (TWINSTEP_JIT=0): what it saves, measured in the run
     twinstep tensors    twinstep.attach(capture="tensors")          (--tensors)
                         (encoded and sent by a sender process: sender="auto")
     twinstep tensors, thread   the same with sender="thread": encoded and
@@ -95,7 +95,7 @@ class Row:
 
 UNHOOKED = Row("unhooked", "none")
 TWINSTEP_STATS = Row("twinstep stats", "twinstep", "stats")
-# Without the one-pass kernel (twinstep.moments): numpy's and the framework's passes.
+# Without the compiled kernels (twinstep.kernels): numpy's and the framework's passes.
 TWINSTEP_NUMPY = Row("twinstep stats, numpy passes", "twinstep", "stats-numpy")
 
 
@@ -164,19 +164,19 @@ class _Twinstep(_Tool):
     def __init__(self, model: Any, framework: str, mode: str, server: str, sender: str = "auto") -> None:
         import twinstep
 
-        from twinstep import moments
+        from twinstep import kernels
 
         capture, _, variant = mode.partition("-")
-        # The kernel loads in the background from the first statistics on; a long run's steady
+        # The kernels load in the background from the first statistics on; a long run's steady
         # state has it, so the timed steps do too.  How long the load took goes into the notes.
         if variant == "numpy":
-            if moments.state() != "off":
-                raise RuntimeError(f"{moments.ENV_SWITCH}=0 did not reach this worker")
+            if kernels.state() != "off":
+                raise RuntimeError(f"{kernels.ENV_SWITCH}=0 did not reach this worker")
             self.kernel = ""
-        elif not moments.wait(120):
-            raise RuntimeError(f"the one-pass statistics kernel did not load: {moments.state()}")
+        elif not kernels.wait(120):
+            raise RuntimeError(f"twinstep's compiled kernels did not load: {kernels.state()}")
         else:
-            self.kernel = f"kernel loaded in {moments.load_seconds():.1f} s"
+            self.kernel = f"kernels loaded in {kernels.load_seconds():.1f} s"
         self.mon = twinstep.attach(model, session=f"bench-{framework}-{capture}-{time.time()}", run=framework,
                                    baseline=True, server=server, capture=capture, sender=sender)
 
@@ -315,16 +315,16 @@ class Worker:
         self.workdir = tempfile.mkdtemp(prefix=row.label.replace(" ", "-") + "-", dir=tmp)
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, framework, cfg, row, server, self.workdir), daemon=True)
-        saved = os.environ.get("TWINSTEP_STATS_JIT")
+        saved = os.environ.get("TWINSTEP_JIT")
         if row.mode == "stats-numpy":
-            os.environ["TWINSTEP_STATS_JIT"] = "0"  # read when the spawned interpreter imports twinstep
+            os.environ["TWINSTEP_JIT"] = "0"  # read when the spawned interpreter imports twinstep
         try:
             self.proc.start()
         finally:
             if saved is None:
-                os.environ.pop("TWINSTEP_STATS_JIT", None)
+                os.environ.pop("TWINSTEP_JIT", None)
             else:
-                os.environ["TWINSTEP_STATS_JIT"] = saved
+                os.environ["TWINSTEP_JIT"] = saved
         child.close()
         self.times: list[float] = []  # wall seconds per timed step
         self.cpu: list[float] = []  # this process's CPU seconds (all its threads) per timed step

@@ -8,8 +8,8 @@ median over the repetitions.  --cold evicts the caches (reads 96 MB) before
 every call, as for weights and gradients, which were last touched long ago;
 without it the tensor sits in cache, as a module output just written does.
 "chosen" is the backend's device_stats as shipped, with the one-pass kernel
-(twinstep.moments, loaded here before timing), "numpy passes" the same
-without it (TWINSTEP_STATS_JIT=0: one numpy or framework pass per
+(twinstep.kernels, loaded here before timing), "numpy passes" the same
+without it (TWINSTEP_JIT=0: one numpy or framework pass per
 reduction); "/mean" the same on a
 large-mean tensor (1e4 + N(0, 1)), which takes the second, shifted pass;
 "device" the no-sync accelerator path run on CPU.  The last table gives the
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from twinstep import moments  # noqa: E402
+from twinstep import kernels  # noqa: E402
 
 SIZES = (1 << 10, 1 << 18, 1 << 20, 1 << 22)  # float32 elements: 4 KB .. 16 MB
 
@@ -58,7 +58,7 @@ def run(variants: dict[str, Callable[[Any], Any]], tensors: dict[str, Any], reps
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-_KERNEL = moments._LOADER  # the process's kernel loader, whichever one a variant swapped in last
+_KERNEL = kernels._LOADER  # the process's kernel loader, whichever one a variant swapped in last
 
 
 def kernel_loaders() -> tuple[Any, Any]:
@@ -67,19 +67,19 @@ def kernel_loaders() -> tuple[Any, Any]:
     ready = _KERNEL.wait(120)
     print(f"one-pass kernel (numba): {'ready' if ready else 'FAILED: ' + _KERNEL.state} "
           f"in {time.perf_counter() - start:.1f} s")
-    saved = os.environ.get(moments.ENV_SWITCH)
-    os.environ[moments.ENV_SWITCH] = "0"
-    off = moments._Loader()
+    saved = os.environ.get(kernels.ENV_SWITCH)
+    os.environ[kernels.ENV_SWITCH] = "0"
+    off = kernels._Loader()
     if saved is None:
-        del os.environ[moments.ENV_SWITCH]
+        del os.environ[kernels.ENV_SWITCH]
     else:
-        os.environ[moments.ENV_SWITCH] = saved
+        os.environ[kernels.ENV_SWITCH] = saved
     return _KERNEL, off
 
 
 def with_loader(loader: Any, stats_row: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def row(x: Any) -> Any:
-        moments._LOADER = loader
+        kernels._LOADER = loader
         return stats_row(x)
 
     return row

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from twinstep import moments
+from twinstep import kernels
 
 #: Columns computed on the device, in this order, by every capture backend.
 DEVICE_FIELDS = ("sum", "sum_sq", "min", "max", "abs_max", "nan_count", "inf_count", "m2")
@@ -122,7 +122,7 @@ def of_array(values: np.ndarray) -> dict[str, np.ndarray]:
 #
 # Both backends hand a zero-copy numpy view of a CPU tensor (float32 or
 # float64) to host_row.  Dense arrays take one compiled pass for the sums and
-# extrema (twinstep.moments) once it has loaded.  Before that, or without it,
+# extrema (twinstep.kernels) once it has loaded.  Before that, or without it,
 # host_row makes one pass per reduction with no full-size temporary: min and max (NaN propagates, so they also prove there is no
 # NaN/Inf), the sum (the framework's cascade sum for large tensors, numpy's
 # pairwise sum for small ones), and the sum of squares as float32 dot products
@@ -163,7 +163,7 @@ def host_row(
     n = values.size
     if n == 0:
         return (0.0,) * len(DEVICE_FIELDS)
-    fused = moments.one_pass(values)
+    fused = kernels.one_pass_moments(values)
     if fused is not None:
         total, sum_sq, lo, hi = fused
         if not (math.isfinite(total) and math.isfinite(sum_sq)):  # NaN/Inf, or float32 squares overflowed

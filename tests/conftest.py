@@ -18,9 +18,31 @@ from typing import Iterator
 
 import pytest
 
+from twinstep import kernels
 from twinstep.server import ServerConfig, serve
 
 JOB_TIMEOUT = 240
+
+_KERNELS = kernels._LOADER  # this process's compiled kernels (twinstep.kernels)
+
+
+def use_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host arithmetic takes numpy's passes: twinstep.kernels switched off (TWINSTEP_JIT=0)."""
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    monkeypatch.setattr(kernels, "_LOADER", kernels._Loader())
+
+
+def use_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host arithmetic takes twinstep.kernels' compiled passes (numba is a dependency: they must load)."""
+    assert _KERNELS.wait(120), f"twinstep.kernels did not load: {_KERNELS.state}"
+    monkeypatch.setattr(kernels, "_LOADER", _KERNELS)
+
+
+@pytest.fixture(params=["numpy", "kernels"])
+def host_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: with numpy's passes and with the compiled kernels, which must agree."""
+    (use_numpy_path if request.param == "numpy" else use_kernels)(monkeypatch)
+    return request.param
 
 
 @pytest.fixture

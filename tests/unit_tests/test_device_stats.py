@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.unit_tests.test_stats import _exact_m2, _rng
-from twinstep import moments, stats
+from tests.conftest import use_kernels, use_numpy_path
+from twinstep import _kernels_numba, stats
 from twinstep.v1 import twinstep_pb2 as pb
 
 N_FIELDS = len(stats.DEVICE_FIELDS)
@@ -108,20 +109,10 @@ def _framework(name: str):
     return _made[name]
 
 
-_KERNEL_LOADER = moments._LOADER  # the process's one-pass kernel (twinstep.moments)
-
-
 @pytest.fixture(autouse=True)
-def _numpy_statistics(monkeypatch):
-    """Tests see the multi-pass numpy path unless they ask for the one-pass kernel (``use_kernel``)."""
-    monkeypatch.setenv(moments.ENV_SWITCH, "0")
-    monkeypatch.setattr(moments, "_LOADER", moments._Loader())
-
-
-def use_kernel(monkeypatch) -> None:
-    """Route CPU statistics through the compiled one-pass kernel (numba is a dependency: it must load)."""
-    assert _KERNEL_LOADER.wait(120), f"one-pass kernel did not load: {_KERNEL_LOADER.state}"
-    monkeypatch.setattr(moments, "_LOADER", _KERNEL_LOADER)
+def _numpy_path_unless_asked(monkeypatch):
+    """Tests see the multi-pass numpy path unless they ask for the compiled kernels (``use_kernels``)."""
+    use_numpy_path(monkeypatch)
 
 
 @pytest.fixture(params=["torch", "paddle", "torch-kernel", "paddle-kernel"])
@@ -129,7 +120,7 @@ def fw(request, monkeypatch):
     """A backend; ``-kernel``: with the one-pass kernel loaded."""
     name, _, kernel = request.param.partition("-")
     if kernel:
-        use_kernel(monkeypatch)
+        use_kernels(monkeypatch)
     return _framework(name)
 
 
@@ -143,7 +134,7 @@ def impl(request, monkeypatch):
     name, path = request.param.split("-")
     framework = _framework(name)
     if path == "kernel":
-        use_kernel(monkeypatch)
+        use_kernels(monkeypatch)
     if path in ("cpu", "kernel"):
         return framework, lambda t: _host(framework, framework.backend.device_stats(t))
     return framework, lambda t: _host(framework, framework.device_path(t))
@@ -395,11 +386,11 @@ def test_cpu_path_writes_no_full_size_temporary(fw):
 
 
 @pytest.mark.parametrize("name", ["torch", "paddle"])
-def test_cpu_statistics_take_the_one_pass_kernel_once_loaded(name, monkeypatch):
+def test_cpu_statistics_take_the_compiled_kernel_once_loaded(name, monkeypatch):
     fw = _framework(name)
-    use_kernel(monkeypatch)
-    real, sizes = _KERNEL_LOADER._kernel, []
-    monkeypatch.setattr(_KERNEL_LOADER, "_kernel", lambda a: sizes.append(a.size) or real(a))
+    use_kernels(monkeypatch)
+    real, sizes = _kernels_numba.moments, []
+    monkeypatch.setattr(_kernels_numba, "moments", lambda a: sizes.append(a.size) or real(a))
     t = fw.make(_rng().normal(0.3, 2.0, size=(64, 4096)), "float32")
     _assert_matches_reference(_host(fw, fw.backend.device_stats(t)), fw.exact_values(t), 1e-6)
     _assert_matches_reference(_host(fw, fw.backend.device_stats(fw.transpose(t))), fw.exact_values(t), 1e-6)

@@ -200,7 +200,7 @@ def _collect(value: Any, found: list[torch.Tensor]) -> None:
 # -- statistics ----------------------------------------------------------------
 #
 # CPU tensors: twinstep.stats.host_row on a zero-copy numpy view: one compiled
-# pass (twinstep.moments) once it has loaded; before that, row-wise sums of
+# pass (twinstep.kernels) once it has loaded; before that, row-wise sums of
 # squares in numpy, with torch's cascade sum and aminmax (one pass for both)
 # for large tensors, where they beat numpy's, and numpy for small ones (each
 # torch op costs ~3 us of dispatch, numpy's less).  torch.var_mean (Welford)

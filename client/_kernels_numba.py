@@ -1,7 +1,8 @@
-"""numba source of :mod:`twinstep.moments`'s kernel.
+"""numba source of :mod:`twinstep.kernels`.
 
-Imported only by :mod:`twinstep.moments`, on its background thread: importing
-numba takes about half a second.
+Imported only by :mod:`twinstep.kernels`, on its background thread: importing
+numba takes about half a second.  :func:`compile_all` sets the module's
+``moments``.
 """
 
 from __future__ import annotations
@@ -82,14 +83,20 @@ def _moments(x):  # noqa: ANN001, ANN202
     return total, sum_sq, np.float64(lo), np.float64(hi)
 
 
-def compile_moments(cache: bool = True):  # noqa: ANN201 (a numba dispatcher)
-    """The compiled kernel for the four signatures above (loaded from numba's cache when there).
+moments = None
 
-    Compiling for given signatures happens here, once; afterwards the dispatcher
-    refuses other types instead of compiling on the training thread.
+
+def compile_all(cache: bool = True) -> None:
+    """Compile the kernels for their signatures (or load them from numba's cache) into this module.
+
+    Compiling for given signatures happens here, once; afterwards the
+    dispatchers refuse other types instead of compiling on a caller's thread.
     """
+    global moments
+    if numba.config.DISABLE_JIT:  # numba's debugging switch: its Python fallback would take seconds per tensor
+        raise RuntimeError("NUMBA_DISABLE_JIT is set")
     # reassoc lets the sums use vector lanes; no flag assumes finite values, so a NaN or
     # Inf element still makes the sums non-finite.
-    kernel = numba.njit(_SIGNATURES, fastmath={"reassoc", "contract"}, nogil=True, cache=cache)(_moments)
-    kernel.disable_compile()
-    return kernel
+    compiled_moments = numba.njit(_SIGNATURES, fastmath={"reassoc", "contract"}, nogil=True, cache=cache)(_moments)
+    compiled_moments.disable_compile()
+    moments = compiled_moments

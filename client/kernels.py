@@ -1,15 +1,17 @@
-"""Sum, sum of squares and extrema of a host array in one pass: the statistics kernel for CPU tensors.
+"""Compiled one-pass kernels for the host's hot loops: CPU tensor statistics.
 
 numpy and the frameworks read a tensor once per reduction (extrema, sum, sum
 of squares) and pay microseconds of dispatch per call: 1.2x to 1.8x the time
 of a memory copy of the tensor, measured on torch tensors of 1 to 16 MB, and
 most of a statistics-mode step's overhead on CPU.  One compiled pass reads
 each element once: 0.4x to 0.9x of a copy (``benchmarks/stats_kernels.py``).
-numba compiles it (llvmlite ships LLVM in its wheel, so the user's machine
-needs no compiler) on a background thread, once per machine: later processes
-load it from numba's cache.  Until then, or where numba is unavailable,
-:func:`one_pass` returns None and callers use the multi-pass numpy path.
-``TWINSTEP_STATS_JIT=0`` turns it off.
+
+numba compiles them (llvmlite ships LLVM in its wheel, so the user's machine
+needs no compiler) on a background thread, the first time a process asks,
+once per machine: later processes load them from numba's cache.  Until then,
+or where numba is unavailable, the functions here return None and callers
+use their numpy path, which gives the same numbers.  ``TWINSTEP_JIT=0`` turns
+the kernels off.
 """
 
 from __future__ import annotations
@@ -19,24 +21,22 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable
+from types import ModuleType
 
 import numpy as np
 
 logger = logging.getLogger("twinstep")
 
-ENV_SWITCH = "TWINSTEP_STATS_JIT"
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-Kernel = Callable[[np.ndarray], tuple[float, float, float, float]]
+ENV_SWITCH = "TWINSTEP_JIT"
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class _Loader:
-    """Compiles the kernel once per process, off the calling thread; never raises."""
+    """Compiles the kernels once per process, off the calling thread; never raises."""
 
     def __init__(self) -> None:
         off = os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
-        self._kernel: Kernel | None = None
+        self._kernels: ModuleType | None = None
         self._state = "off" if off else "idle"  # idle | loading | ready | failed | off
         self._done = threading.Event()
         if off:
@@ -51,42 +51,42 @@ class _Loader:
     def state(self) -> str:
         return self._state
 
-    def kernel(self) -> Kernel | None:
-        """The compiled kernel, or None (then starts loading it on a background thread, once)."""
-        kernel = self._kernel
-        if kernel is None and self._state == "idle":
+    def kernels(self) -> ModuleType | None:
+        """The compiled kernels, or None (then starts loading them on a background thread, once)."""
+        kernels = self._kernels
+        if kernels is None and self._state == "idle":
             self.start()
-        return kernel
+        return kernels
 
     def start(self) -> None:
         with self._lock:
             if self._state != "idle":
                 return
             self._state = "loading"
-        threading.Thread(target=self._load, name="twinstep-stats-jit", daemon=True).start()
+        threading.Thread(target=self._load, name="twinstep-jit", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Start loading if needed and wait for it; True when the kernel is ready."""
+        """Start loading if needed and wait for it; True when the kernels are ready."""
         self.start()
         self._done.wait(timeout)
-        return self._kernel is not None
+        return self._kernels is not None
 
     def _load(self) -> None:
         started = time.perf_counter()
         try:
-            from twinstep import _moments_numba
+            from twinstep import _kernels_numba
 
             try:
-                kernel = _moments_numba.compile_moments(cache=True)
+                _kernels_numba.compile_all(cache=True)
             except Exception:  # e.g. no writable cache directory: compile in memory, every process
                 logger.debug("twinstep: numba's cache unavailable", exc_info=True)
-                kernel = _moments_numba.compile_moments(cache=False)
-            _check(kernel)
+                _kernels_numba.compile_all(cache=False)
+            _check(_kernels_numba)
         except Exception as exc:  # no numba for this platform, a compile error: numpy serves
             self._state = "failed"
-            logger.info("twinstep: one-pass statistics kernel unavailable (%s); numpy serves", exc, exc_info=True)
+            logger.info("twinstep: compiled kernels unavailable (%s); numpy serves", exc, exc_info=True)
         else:
-            self._kernel = kernel
+            self._kernels = _kernels_numba
             self._state = "ready"
             self.load_seconds = time.perf_counter() - started
         finally:
@@ -102,11 +102,11 @@ class _Loader:
         self._lock = threading.Lock()
 
 
-def _check(kernel: Kernel) -> None:
+def _check(kernels: ModuleType) -> None:
     """Compare against numpy on a ragged, signed sample before trusting the compiled code."""
-    for dtype in _DTYPES:
+    for dtype in _FLOATS:
         sample = np.linspace(-3.0, 5.0, 3 * 1024 + 17).astype(dtype)
-        got = kernel(sample)
+        got = kernels.moments(sample)
         wide = sample.astype(np.float64)
         expected = (wide.sum(), np.dot(wide, wide), -3.0, 5.0)
         if any(abs(a - b) > 1e-5 * max(1.0, abs(b)) for a, b in zip(got, expected)):
@@ -116,24 +116,24 @@ def _check(kernel: Kernel) -> None:
 _LOADER = _Loader()
 
 
-def one_pass(values: np.ndarray) -> tuple[float, float, float, float] | None:
+def one_pass_moments(values: np.ndarray) -> tuple[float, float, float, float] | None:
     """(sum, sum_sq, min, max) of a non-empty float32/float64 array, or None when the kernel cannot serve.
 
-    None while the kernel is loading (the first call starts that), where it is
+    None while the kernels load (the first call starts that), where they are
     unavailable, and for arrays that are not dense in memory.  Sums accumulate
     rows of 1024 elements in the array's dtype, then float64.  A NaN or Inf
     element makes the sum or the sum of squares non-finite and leaves the
     extrema undefined: check the sums first.
     """
-    if values.dtype not in _DTYPES or values.size == 0:
+    if values.dtype not in _FLOATS or values.size == 0:
         return None
-    kernel = _LOADER.kernel()
-    if kernel is None:
+    kernels = _LOADER.kernels()
+    if kernels is None:
         return None
     flat = _memory_order(values)
     if flat is None:
         return None
-    return kernel(flat)
+    return kernels.moments(flat)
 
 
 def _memory_order(values: np.ndarray) -> np.ndarray | None:
@@ -146,18 +146,23 @@ def _memory_order(values: np.ndarray) -> np.ndarray | None:
     return permuted.reshape(-1) if permuted.flags.c_contiguous else None
 
 
+def ready() -> bool:
+    """True when the kernels are loaded; the first call starts loading them."""
+    return _LOADER.kernels() is not None
+
+
 def start() -> None:
-    """Start loading the kernel in the background (no-op when started, loaded or off)."""
+    """Start loading the kernels in the background (no-op when started, loaded or off)."""
     _LOADER.start()
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Start loading and wait up to ``timeout`` seconds; True when the kernel is ready (tests, benchmarks)."""
+    """Start loading and wait up to ``timeout`` seconds; True when the kernels are ready (tests, benchmarks)."""
     return _LOADER.wait(timeout)
 
 
 def state() -> str:
-    """``idle``, ``loading``, ``ready``, ``failed`` or ``off`` (TWINSTEP_STATS_JIT=0)."""
+    """``idle``, ``loading``, ``ready``, ``failed`` or ``off`` (TWINSTEP_JIT=0)."""
     return _LOADER.state
 
 
