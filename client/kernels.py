@@ -146,11 +146,6 @@ def _memory_order(values: np.ndarray) -> np.ndarray | None:
     return permuted.reshape(-1) if permuted.flags.c_contiguous else None
 
 
-def ready() -> bool:
-    """True when the kernels are loaded; the first call starts loading them."""
-    return _LOADER.kernels() is not None
-
-
 def start() -> None:
     """Start loading the kernels in the background (no-op when started, loaded or off)."""
     _LOADER.start()
