@@ -93,9 +93,12 @@ class _Loader:
             self._done.set()
 
     def _after_fork(self) -> None:
-        # A load in flight belonged to a thread the child does not have: the child loads again.
+        # A load in flight belonged to a thread the child does not have, which may have held
+        # numba's compiler lock or an import lock at the fork: loading again could block the
+        # child's loader thread for good.  Such a child (a data-loader worker, typically) keeps
+        # numpy's passes.  Loaded kernels need no lock to run; an idle child loads when asked.
         if self._state == "loading":
-            self._state = "idle"
+            self._state = "failed"
         self._done = threading.Event()
         if self._state != "idle":
             self._done.set()
