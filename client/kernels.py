@@ -53,10 +53,10 @@ class _Loader:
 
     def kernels(self) -> ModuleType | None:
         """The compiled kernels, or None (then starts loading them on a background thread, once)."""
-        kernels = self._kernels
-        if kernels is None and self._state == "idle":
+        compiled = self._kernels
+        if compiled is None and self._state == "idle":
             self.start()
-        return kernels
+        return compiled
 
     def start(self) -> None:
         with self._lock:
@@ -105,11 +105,11 @@ class _Loader:
         self._lock = threading.Lock()
 
 
-def _check(kernels: ModuleType) -> None:
+def _check(compiled: ModuleType) -> None:
     """Compare against numpy on a ragged, signed sample before trusting the compiled code."""
     for dtype in _FLOATS:
         sample = np.linspace(-3.0, 5.0, 3 * 1024 + 17).astype(dtype)
-        got = kernels.moments(sample)
+        got = compiled.moments(sample)
         wide = sample.astype(np.float64)
         expected = (wide.sum(), np.dot(wide, wide), -3.0, 5.0)
         if any(abs(a - b) > 1e-5 * max(1.0, abs(b)) for a, b in zip(got, expected)):
@@ -130,13 +130,13 @@ def one_pass_moments(values: np.ndarray) -> tuple[float, float, float, float] | 
     """
     if values.dtype not in _FLOATS or values.size == 0:
         return None
-    kernels = _LOADER.kernels()
-    if kernels is None:
+    compiled = _LOADER.kernels()
+    if compiled is None:
         return None
     flat = _memory_order(values)
     if flat is None:
         return None
-    return kernels.moments(flat)
+    return compiled.moments(flat)
 
 
 def _memory_order(values: np.ndarray) -> np.ndarray | None:
@@ -147,11 +147,6 @@ def _memory_order(values: np.ndarray) -> np.ndarray | None:
         return values.T.reshape(-1)
     permuted = values.transpose(np.argsort(values.strides)[::-1])  # a transposed gradient
     return permuted.reshape(-1) if permuted.flags.c_contiguous else None
-
-
-def start() -> None:
-    """Start loading the kernels in the background (no-op when started, loaded or off)."""
-    _LOADER.start()
 
 
 def wait(timeout: float | None = None) -> bool:

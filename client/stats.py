@@ -156,9 +156,10 @@ def host_row(
 ) -> tuple[float, ...]:
     """DEVICE_FIELDS of a float32/float64 array (a view of a CPU tensor), with no full-size temporary.
 
-    ``framework_sum`` and ``framework_extrema`` compute the sum and (min, max)
-    with the framework's own kernels where those beat numpy's (large tensors);
-    they must propagate NaN like numpy does.
+    One compiled pass when twinstep.kernels can serve; otherwise one pass per
+    reduction, where ``framework_sum`` and ``framework_extrema`` compute the
+    sum and (min, max) with the framework's own kernels where those beat
+    numpy's (large tensors); they must propagate NaN like numpy does.
     """
     n = values.size
     if n == 0:
