@@ -71,6 +71,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from twinstep import kernels  # noqa: E402
 from twinstep.demo import spec  # noqa: E402
 
 PEER_PACKAGE = "mindstudio-probe"
@@ -163,8 +164,6 @@ class _Tool:
 class _Twinstep(_Tool):
     def __init__(self, model: Any, framework: str, mode: str, server: str, sender: str = "auto") -> None:
         import twinstep
-
-        from twinstep import kernels
 
         capture, _, variant = mode.partition("-")
         # The kernels load in the background from the first statistics on; a long run's steady
@@ -315,16 +314,16 @@ class Worker:
         self.workdir = tempfile.mkdtemp(prefix=row.label.replace(" ", "-") + "-", dir=tmp)
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, framework, cfg, row, server, self.workdir), daemon=True)
-        saved = os.environ.get("TWINSTEP_JIT")
+        saved = os.environ.get(kernels.ENV_SWITCH)
         if row.mode == "stats-numpy":
-            os.environ["TWINSTEP_JIT"] = "0"  # read when the spawned interpreter imports twinstep
+            os.environ[kernels.ENV_SWITCH] = "0"  # read when the spawned interpreter imports twinstep
         try:
             self.proc.start()
         finally:
             if saved is None:
-                os.environ.pop("TWINSTEP_JIT", None)
+                os.environ.pop(kernels.ENV_SWITCH, None)
             else:
-                os.environ["TWINSTEP_JIT"] = saved
+                os.environ[kernels.ENV_SWITCH] = saved
         child.close()
         self.times: list[float] = []  # wall seconds per timed step
         self.cpu: list[float] = []  # this process's CPU seconds (all its threads) per timed step

@@ -120,33 +120,20 @@ _LOADER = _Loader()
 
 
 def one_pass_moments(values: np.ndarray) -> tuple[float, float, float, float] | None:
-    """(sum, sum_sq, min, max) of a non-empty float32/float64 array, or None when the kernel cannot serve.
+    """(sum, sum_sq, min, max) of a non-empty, contiguous 1-D float32/float64 array, or None when the kernel cannot serve.
 
     None while the kernels load (the first call starts that), where they are
-    unavailable, and for arrays that are not dense in memory.  Sums accumulate
+    unavailable, and for other arrays (dtypes, layouts).  Sums accumulate
     rows of 1024 elements in the array's dtype, then float64.  A NaN or Inf
     element makes the sum or the sum of squares non-finite and leaves the
     extrema undefined: check the sums first.
     """
-    if values.dtype not in _FLOATS or values.size == 0:
+    if values.dtype not in _FLOATS or values.size == 0 or values.ndim != 1 or not values.flags.c_contiguous:
         return None
     compiled = _LOADER.kernels()
     if compiled is None:
         return None
-    flat = _memory_order(values)
-    if flat is None:
-        return None
-    return compiled.moments(flat)
-
-
-def _memory_order(values: np.ndarray) -> np.ndarray | None:
-    """A 1-D view of a dense array in memory order (the order of the terms does not matter), or None."""
-    if values.flags.c_contiguous:
-        return values.reshape(-1)
-    if values.flags.f_contiguous:
-        return values.T.reshape(-1)
-    permuted = values.transpose(np.argsort(values.strides)[::-1])  # a transposed gradient
-    return permuted.reshape(-1) if permuted.flags.c_contiguous else None
+    return compiled.moments(values)
 
 
 def wait(timeout: float | None = None) -> bool:

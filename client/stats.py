@@ -121,10 +121,10 @@ def of_array(values: np.ndarray) -> dict[str, np.ndarray]:
 # -- the capture backends' CPU kernel -------------------------------------------
 #
 # Both backends hand a zero-copy numpy view of a CPU tensor (float32 or
-# float64) to host_row.  Dense arrays take one compiled pass for the sums and
-# extrema (twinstep.kernels) once it has loaded.  Before that, or without it,
-# host_row makes one pass per reduction with no full-size temporary: min and max (NaN propagates, so they also prove there is no
-# NaN/Inf), the sum (the framework's cascade sum for large tensors, numpy's
+# float64) to host_row.  Dense arrays take one compiled pass for the sums
+# and extrema (twinstep.kernels) once it has loaded.  Before that, or without
+# it, host_row makes one pass per reduction with no full-size temporary: min
+# and max (NaN propagates, so they also prove there is no NaN/Inf), the sum (the framework's cascade sum for large tensors, numpy's
 # pairwise sum for small ones), and the sum of squares as float32 dot products
 # of 1024-element rows summed in float64 (a single dot or norm accumulates
 # sequentially and drifts by 1e-4..1e-3 at 16M elements; x*x writes a
@@ -164,7 +164,8 @@ def host_row(
     n = values.size
     if n == 0:
         return (0.0,) * len(DEVICE_FIELDS)
-    fused = kernels.one_pass_moments(values)
+    ordered = _in_memory_order(values)
+    fused = kernels.one_pass_moments(ordered.reshape(-1)) if ordered.flags.c_contiguous else None
     if fused is not None:
         total, sum_sq, lo, hi = fused
         if not (math.isfinite(total) and math.isfinite(sum_sq)):  # NaN/Inf, or float32 squares overflowed
@@ -212,13 +213,7 @@ def _sum_sq(y: np.ndarray) -> float:
     """Sum of squares without a full-size temporary and without sequential drift."""
     if y.ndim == 0:
         return float(y) ** 2
-    if not y.flags.c_contiguous:
-        # A permuted dense tensor (a transposed gradient) is contiguous in memory order:
-        # the order of the terms does not matter, so read it that way.
-        in_memory_order = y.transpose(np.argsort(y.strides)[::-1])
-        if not in_memory_order.flags.c_contiguous:
-            return _strided_sum_sq(in_memory_order)
-        y = in_memory_order
+    y = _in_memory_order(y)
     if y.flags.c_contiguous:
         flat = y.reshape(-1)
         ragged = flat.size % _ROW
@@ -232,6 +227,16 @@ def _sum_sq(y: np.ndarray) -> float:
         tail = flat[body:]
         return float(np.add.reduce(np.vecdot(rows, rows), dtype=np.float64)) + float(np.dot(tail, tail))
     return _strided_sum_sq(y)
+
+
+def _in_memory_order(y: np.ndarray) -> np.ndarray:
+    """The array with its axes in memory order: a permuted dense tensor (a transposed gradient) becomes contiguous.
+
+    Statistics do not depend on the order of the elements, so they read it that way.
+    """
+    if y.flags.c_contiguous:
+        return y
+    return y.transpose(np.argsort(y.strides)[::-1])
 
 
 def _strided_sum_sq(y: np.ndarray) -> float:

@@ -38,13 +38,6 @@ def use_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "_LOADER", _KERNELS)
 
 
-@pytest.fixture(params=["numpy", "kernels"])
-def host_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test twice: with numpy's passes and with the compiled kernels, which must agree."""
-    (use_numpy_path if request.param == "numpy" else use_kernels)(monkeypatch)
-    return request.param
-
-
 @pytest.fixture
 def server(request: pytest.FixtureRequest) -> Iterator:
     """An embedded server; parametrise indirectly with a dict of serve() kwargs."""
