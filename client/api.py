@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import Any, Sequence
 
+from twinstep import environment
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.errors import Halted
@@ -76,13 +77,14 @@ class Monitor:
         self._halt_lock = threading.Lock()
         self._halt: tuple[int, str] | None = None  # (at_step, reason)
         self._backend = backend_for(model)
+        framework_version = self._backend.framework_version()
         hello = pb.Hello(
             protocol_version=PROTOCOL_VERSION,
             session=session,
             run=run,
             baseline=baseline,
             framework=self._backend.framework,
-            framework_version=self._backend.framework_version(),
+            framework_version=framework_version,
             rank=rank,
             world_size=world_size,
             host=socket.gethostname(),
@@ -92,6 +94,8 @@ class Monitor:
             max_lead=lockstep,
             reference=reference,
             precision=precision if precision != "auto" else self._backend.float32_matmul_precision(),
+            environment=environment.describe_environment(self._backend.framework, framework_version),
+            warnings=environment.attach_warnings(self._backend.framework, framework_version),
         )
         if sender == "auto":
             # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
@@ -109,7 +113,7 @@ class Monitor:
                                   host_memory=host_memory)
         self._client.add_manifest([], self._recorder.parameter_infos)
         self._client.start()
-        self._recorder.set_active(self._captures(0))
+        self._recorder.set_active(self._captures(0), 0)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
@@ -136,17 +140,21 @@ class Monitor:
         if self._closed:
             return
         step = self._step
+        health = self._recorder.health
         try:
             if self._captures(step):
                 self._client.add_manifest(self._recorder.take_new_modules(), [])
                 self._client.submit(self._recorder.finish_step(step, loss))
             else:
                 self._recorder.discard_step()
-        except Exception:
-            logger.warning("twinstep: could not record step %d; training continues", step, exc_info=True)
+        except Exception as error:
+            health.record_step_failure(step, error)  # warned once per kind; the server is told below
             self._recorder.discard_step()
+        changes = health.take_changes(self._client.stats.dropped)
+        if changes is not None:
+            self._client.send_health(changes)
         self._step = step + 1
-        self._recorder.set_active(self._captures(step + 1))
+        self._recorder.set_active(self._captures(step + 1), step + 1)
         self._raise_if_halted(step)
         if self._lockstep:
             waited = self._client.wait_for_credit(step + 1, self._lockstep_timeout, lambda: self._halt is not None)
@@ -166,6 +174,9 @@ class Monitor:
         self._closed = True
         atexit.unregister(self._atexit)
         self._recorder.remove()
+        changes = self._recorder.health.take_changes(self._client.stats.dropped)
+        if changes is not None:  # failures after the last step() (a trailing forward, say)
+            self._client.send_health(changes)
         reason = "halted" if self._halt is not None else "finished"
         self._client.close(reason, self._step - 1, timeout)
         dropped = {k: v for k, v in self._client.stats.dropped.items() if v}

@@ -389,10 +389,11 @@ def decode(
         raise PayloadError(f"unknown codec {codec}")
     if len(raw) != expected:
         raise PayloadError(f"payload decompressed to {len(raw)} bytes, expected {expected}")
-    array = np.frombuffer(raw, dtype=store).reshape(shape)
+    array = np.frombuffer(raw, dtype=store)
     if dtype == "bfloat16":
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array
+        # Viewed while 1-D: numpy 1.x cannot change the item size of a 0-d array (a bfloat16 loss).
+        return (array.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return array.reshape(shape)
 
 
 def _decode_quantized(

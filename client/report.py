@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from twinstep.v1 import twinstep_pb2 as pb
 
 
+#: Version of the JSON form: the major number changes when a key is removed or changes meaning,
+#: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
+SCHEMA_VERSION = "1.0"
+SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
+
+_PHASE_ORDER = ("forward", "loss", "backward", "grad", "param")
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) that every ``report_to_dict`` result satisfies."""
+    return json.loads(SCHEMA_PATH.read_text())
+
+
 def report_to_dict(report: pb.Report) -> dict[str, Any]:
-    """The documented JSON form of ``twinstep report --json``."""
+    """The documented JSON form of ``twinstep report --json`` (schema: :func:`report_schema`).
+
+    Unknown figures (a noise band without a reference run, a growth factor
+    without input evidence) are null; non-finite numbers are the strings
+    "inf", "-inf" and "nan", since JSON has no such numbers.
+    """
     first = None
     if report.HasField("first_divergence"):
         d = report.first_divergence
@@ -22,25 +42,104 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
             "metric": d.metric,
             "value": _finite(d.value),
             "tolerance": _finite(d.tolerance),
+            "candidate_run": d.candidate_run,
+            "stage": d.stage,
+        }
+    tree = None
+    if report.tree:
+        tree = {
+            "phase": first["phase"] if first else "forward",
+            "step": first["step"] if first else None,
+            "rows": [_row(r) for r in report.tree],
         }
     return {
+        "schema_version": SCHEMA_VERSION,
         "session": report.session,
         "status": report.status,
+        "status_reasons": list(report.status_reasons),
         "halted": report.halted,
-        "runs": [
-            {
-                "name": r.name,
-                "baseline": r.baseline,
-                "framework": r.framework,
-                "ranks": r.ranks,
-                "last_step": r.last_step,
-                "state": r.state,
-                "dropped": r.dropped,
-            }
-            for r in report.runs
-        ],
+        "runs": [_run(r) for r in report.runs],
         "steps_compared": report.steps_compared,
         "first_divergence": first,
+        "stage": report.stage or None,
+        "culprit": report.culprit or None,
+        "tree": tree,
+        "long_run": [_long_run(summary) for summary in report.long_run],
+        "headroom": [
+            {"candidate_run": h.candidate_run, "phase": h.phase, "metric": h.metric, "value": _finite(h.value),
+             "tolerance": _finite(h.tolerance), "step": h.step, "module": h.module, "dtype": h.dtype}
+            for h in report.headroom
+        ],
+        "unmatched": {"baseline": list(report.unmatched_baseline), "candidate": list(report.unmatched_candidate)},
+        "proposed_mapping": report.proposed_mapping or None,
+        "errors": list(report.errors),
+    }
+
+
+def _run(r: pb.RunStatus) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "baseline": r.baseline,
+        "reference": r.reference,
+        "framework": r.framework,
+        "ranks": r.ranks,
+        "first_step": r.first_step,
+        "last_step": r.last_step,
+        "state": r.state,
+        "dropped": r.dropped,
+        "dropped_by_reason": dict(r.dropped_by_reason),
+        "environment": dict(r.environment),
+        "warnings": list(r.warnings),
+        "capture_health": [
+            {
+                "rank": h.rank,
+                "failed_steps": h.capture.failed_steps,
+                "first_failed_step": h.capture.first_failed_step if h.capture.failed_steps else None,
+                "last_failed_step": h.capture.last_failed_step if h.capture.failed_steps else None,
+                "step_error": h.capture.step_error or None,
+                "failures": [
+                    {"phase": pb.Phase.Name(f.phase).lower(), "name": f.name, "count": f.count,
+                     "first_step": f.first_step, "last_step": f.last_step, "error": f.error}
+                    for f in h.capture.failures
+                ],
+                "dropped": dict(h.capture.dropped),
+            }
+            for h in r.health
+        ],
+    }
+
+
+def _row(r: pb.ModuleRow) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "type": r.type,
+        "candidate_name": r.candidate_name,
+        "metric": r.metric,
+        "value": _finite(r.value),
+        "tolerance": _finite(r.tolerance),
+        "divergent": r.divergent,
+        "first": r.first,
+        "compared": r.compared,
+        "noise": _finite(r.noise) if r.noise >= 0 else None,
+        "growth": _finite(r.growth) if r.growth >= 0 else None,
+    }
+
+
+def _long_run(summary: pb.LongRun) -> dict[str, Any]:
+    with_reference = summary.reference_loss_mean_abs >= 0
+    return {
+        "candidate_run": summary.candidate_run,
+        "steps": summary.steps,
+        "window": summary.window,
+        "first_loss_abs": _finite(summary.first_loss_abs),
+        "first_loss_rel": _finite(summary.first_loss_rel),
+        "loss_mean_abs": _finite(summary.loss_mean_abs),
+        "loss_mean_rel": _finite(summary.loss_mean_rel),
+        "loss_mean_signed": _finite(summary.loss_mean_signed),
+        "grad_norm_mean_rel": _finite(summary.grad_norm_mean_rel),
+        "reference_loss_mean_abs": _finite(summary.reference_loss_mean_abs) if with_reference else None,
+        "reference_grad_norm_mean_rel": _finite(summary.reference_grad_norm_mean_rel) if with_reference else None,
+        "verdicts": list(summary.verdicts),
     }
 
 
@@ -53,12 +152,22 @@ def render_text(report: pb.Report) -> str:
     """Human-readable report: verdict, runs, and the module tree with the culprit marked."""
     lines = [f"session {report.session!r}: {report.status.upper()}" + ("  (halted)" if report.halted else "")]
     for r in report.runs:
-        role = "baseline " if r.baseline else "candidate"
+        role = "baseline " if r.baseline else "reference" if r.reference else "candidate"
+        version = r.environment.get(r.framework, "")
         lines.append(
-            f"  {role} {r.name:<12} {r.framework:<7} ranks {r.ranks}  last step {r.last_step:<5} "
-            f"{r.state}" + (f"  dropped {r.dropped}" if r.dropped else "")
+            f"  {role} {r.name:<12} {r.framework:<7}{(' ' + version) if version else ''}  ranks {r.ranks}  "
+            f"last step {r.last_step:<5} {r.state}"
+            + (f"  dropped {r.dropped}" if r.dropped else "")
+            + ("  CAPTURE FAILING" if any(h.capture.failures or h.capture.failed_steps for h in r.health) else "")
         )
     lines.append(f"  steps compared: {report.steps_compared}")
+    if report.status_reasons:
+        heading = "not compared" if report.status == "incomplete" else "coverage"
+        lines.append(f"  {heading}:")
+        lines.extend(f"    - {reason}" for reason in report.status_reasons)
+    warnings = [(r.name, w) for r in report.runs for w in r.warnings]
+    for name, warning in warnings:
+        lines.append(f"  warning, run {name!r}: {warning}")
     if report.HasField("first_divergence"):
         d = report.first_divergence
         where = d.module or "(model)"

@@ -221,12 +221,26 @@ def _sum_sq(y: np.ndarray) -> float:
             return float(np.dot(flat, flat))  # under one row
         if not ragged:
             rows = flat.reshape(-1, _ROW)
-            return float(np.add.reduce(np.vecdot(rows, rows), dtype=np.float64))
+            return float(np.add.reduce(_row_dots(rows), dtype=np.float64))
         body = flat.size - ragged
         rows = flat[:body].reshape(-1, _ROW)
         tail = flat[body:]
-        return float(np.add.reduce(np.vecdot(rows, rows), dtype=np.float64)) + float(np.dot(tail, tail))
+        return float(np.add.reduce(_row_dots(rows), dtype=np.float64)) + float(np.dot(tail, tail))
     return _strided_sum_sq(y)
+
+
+def _row_dots(y: np.ndarray) -> np.ndarray:
+    """Each innermost row's dot product with itself, in the array's dtype, with no full-size temporary.
+
+    ``np.vecdot`` (numpy >= 2.0) where it exists; numpy 1.x (paddleformers pins 1.26)
+    takes ``einsum``, which reads the rows the same way and sums in the same dtype.
+    """
+    if _VECDOT is not None:
+        return _VECDOT(y, y)
+    return np.einsum("...i,...i->...", y, y)
+
+
+_VECDOT = getattr(np, "vecdot", None)
 
 
 def _in_memory_order(y: np.ndarray) -> np.ndarray:
@@ -242,7 +256,7 @@ def _in_memory_order(y: np.ndarray) -> np.ndarray:
 def _strided_sum_sq(y: np.ndarray) -> float:
     """Sliced tensors: dot products along the innermost axis in memory (last, after the transpose)."""
     if y.shape[-1] <= 16 * _ROW:
-        return float(np.add.reduce(np.vecdot(y, y), axis=None, dtype=np.float64))  # no copy
+        return float(np.add.reduce(_row_dots(y), axis=None, dtype=np.float64))  # no copy
     return float((y * y).sum())  # long strided rows (rare): one temporary
 
 

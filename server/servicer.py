@@ -71,6 +71,8 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                     conn.pieces.add(message.tensor)
                 elif kind == "step":
                     session.add_step(conn, message.step)
+                elif kind == "health":
+                    session.add_health(conn, message.health)
                 elif kind == "halt_ack":
                     session.halt_ack(conn, message.halt_ack)
                 elif kind == "close":

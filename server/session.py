@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import grpc
 
@@ -28,6 +29,7 @@ from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
 from twinstep.server.detect.drift import LongRunTracker
 from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
+from twinstep.server.detect.coverage import coverage_problems, describe_failure, failure_kinds as _failure_kinds
 from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.errors import InputError, invalid
@@ -39,15 +41,24 @@ _INF = float("inf")
 _PROGRESS_INTERVAL = 0.25
 _MAX_LISTED = 200
 _ENDED = ("finished", "halted", "lost")
+_MAX_TEXT = 500
+_MAX_WARNINGS = 16
+_MAX_FAILURE_ENTRIES = 1024
 
 
 @dataclass
 class RankState:
     connection: Connection | None = None
     state: str = "streaming"
+    first_step: int = -1
     last_step: int = -1
-    client_dropped: int = 0
+    client_dropped: dict[str, int] = field(default_factory=dict)
+    """Steps the client dropped, by reason (cumulative, as the client last said)."""
     manifest: Manifest = field(default_factory=Manifest)
+    health: pb.CaptureHealth | None = None
+    """What the client could not capture (its latest cumulative snapshot)."""
+    warnings: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +126,7 @@ class Session:
         self._halt_ids = itertools.count(1)
         self._halt_acks: dict[int, dict[int, int]] = {}
         self._halt_cond = threading.Condition(self.lock)
+        self._verdict_told = False
 
     # -- membership -------------------------------------------------------------
 
@@ -188,13 +200,18 @@ class Session:
                 rank_state.connection.finish()
             rank_state.connection = conn
             rank_state.state = "streaming"
+            self._verdict_told = False  # a run (re)joined: the verdict is told again when all have ended
             rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
+            rank_state.warnings = [w[:_MAX_TEXT] for w in hello.warnings[:_MAX_WARNINGS]]
+            rank_state.environment = {k[:64]: v[:_MAX_TEXT] for k, v in list(hello.environment.items())[:32]}
             conn.session, conn.run, conn.rank = self.name, hello.run, hello.rank
             aligner = self._aligner(hello.rank)
             aligner.reopen(hello.run)
             received = aligner.delivered(hello.run)
             halted = self.halted
         logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework, hello.framework_version)
+        for warning in hello.warnings[:_MAX_WARNINGS]:
+            self._alert("warning", f"run {hello.run!r} rank {hello.rank}: {warning[:_MAX_TEXT]}")
         self._publish_progress(force=True)
         if halted:
             conn.send(_halt_command(-1, self.halt_reason))
@@ -227,9 +244,25 @@ class Session:
             self._aligner(conn.rank).finish(run.name, self.baseline, self._compared_runs, not self.candidates)
             self._run_deferred(conn.rank)
             declared = self._declare()
+            ended = self._ended_verdict()
         self._announce(declared)
+        if ended is not None:
+            self._alert(*ended)
         self._update_credits(conn.rank)
         self._publish_progress(force=True)
+
+    def _ended_verdict(self) -> tuple[str, str] | None:
+        """Once, when the last run ends without a divergence: the verdict and its reasons (caller holds the lock)."""
+        if self._verdict_told or not all(r.state in _ENDED for r in self.runs.values()):
+            return None
+        status, reasons = self.status_and_reasons()
+        if status == "diverged":
+            return None
+        self._verdict_told = True
+        if status == "aligned":
+            return "info", f"every run has ended: aligned over {self.steps_compared()} compared step(s)"
+        more = f" (and {len(reasons) - 3} more: see the report)" if len(reasons) > 3 else ""
+        return "warning", f"every run has ended: {status.upper()}: " + "; ".join(reasons[:3]) + more
 
     def close_stream(self, conn: Connection, message: pb.Close) -> None:
         with self.lock:
@@ -237,7 +270,22 @@ class Session:
             conn.closed_cleanly = True
             conn.close_reason = message.reason
             rank_state.state = "halted" if message.reason == "halted" else "finished"
-            rank_state.client_dropped = sum(message.dropped.values())
+            _merge_counts(rank_state.client_dropped, message.dropped)
+
+    def add_health(self, conn: Connection, health: pb.CaptureHealth) -> None:
+        """The client's latest word on what it could not capture; watchers hear of each new kind once."""
+        if len(health.failures) > _MAX_FAILURE_ENTRIES:
+            raise invalid(f"capture health lists {len(health.failures)} failures; at most {_MAX_FAILURE_ENTRIES}")
+        with self.lock:
+            rank_state = self._rank_state(conn)
+            before = _failure_kinds(rank_state.health)
+            rank_state.health = health
+            _merge_counts(rank_state.client_dropped, health.dropped)
+            news = [kind for kind in _failure_kinds(health) if kind not in before]
+            label = f"run {conn.run!r} rank {conn.rank}"
+        for kind in news[:_MAX_WARNINGS]:
+            self._alert("warning", f"{label}: capture is failing: {describe_failure(health, kind)}")
+        self._publish_progress(force=True)
 
     # -- data -----------------------------------------------------------------------
 
@@ -253,9 +301,11 @@ class Session:
         with self.lock:
             rank_state = self._rank_state(conn)
             data = decode_step(message, rank_state.manifest, conn.pieces)
-            rank_state.client_dropped = sum(message.dropped.values())
+            _merge_counts(rank_state.client_dropped, message.dropped)
             if data.step > rank_state.last_step:
                 rank_state.last_step = data.step
+            if rank_state.first_step < 0 or data.step < rank_state.first_step:
+                rank_state.first_step = data.step
             pairs = self._aligner(conn.rank).add(
                 conn.run or "", data, self.baseline, self._compared_runs, keep_baseline=not self.candidates
             )
@@ -487,8 +537,12 @@ class Session:
     def _error(self, message: str) -> None:
         if len(self.errors) < _MAX_LISTED:
             self.errors.append(message)
+        self._alert("error", message)
+
+    def _alert(self, level: str, message: str) -> None:
+        """Log a line and tell every watcher (kept for watchers who come later)."""
         logger.warning("session %s: %s", self.name, message)
-        self.events.publish(pb.Event(alert=pb.AlertNotice(level="error", message=message)), keep=True)
+        self.events.publish(pb.Event(alert=pb.AlertNotice(level=level, message=message)), keep=True)
 
     def _broadcast(self, message: pb.ServerMessage) -> None:
         with self.lock:
@@ -499,21 +553,46 @@ class Session:
     def run_status(self) -> list[pb.RunStatus]:
         with self.lock:
             out = []
-            for run in self.runs.values():
-                server_dropped = sum(a.dropped(run.name) for a in self.aligners.values())
-                client_dropped = sum(r.client_dropped for r in run.ranks.values())
-                out.append(
-                    pb.RunStatus(
-                        name=run.name,
-                        baseline=run.baseline,
-                        framework=run.framework,
-                        ranks=run.world_size,
-                        last_step=run.last_step,
-                        state=run.state,
-                        dropped=server_dropped + client_dropped,
-                    )
+            # The baseline first, then reference reruns, then candidates, each in the order they joined.
+            for run in sorted(self.runs.values(), key=lambda r: (not r.baseline, not r.reference)):
+                by_reason = self.dropped_by_reason(run)
+                status = pb.RunStatus(
+                    name=run.name,
+                    baseline=run.baseline,
+                    reference=run.reference,
+                    framework=run.framework,
+                    ranks=run.world_size,
+                    last_step=run.last_step,
+                    state=run.state,
+                    dropped=sum(by_reason.values()),
+                    dropped_by_reason=by_reason,
+                    first_step=min((r.first_step for r in run.ranks.values() if r.first_step >= 0), default=-1),
                 )
+                for rank, state in sorted(run.ranks.items()):
+                    if state.health is not None:
+                        status.health.append(pb.RankHealth(rank=rank, capture=state.health))
+                    for warning in state.warnings:
+                        if warning not in status.warnings:
+                            status.warnings.append(warning)
+                first_rank = run.ranks.get(0) or next(iter(run.ranks.values()), None)
+                if first_rank is not None:
+                    status.environment.update(first_rank.environment)
+                out.append(status)
             return out
+
+    def dropped_by_reason(self, run: RunState) -> dict[str, int]:
+        """Steps of ``run`` lost on its clients (by their reason) or on this server."""
+        totals: dict[str, int] = {}
+        for state in run.ranks.values():
+            for reason, count in state.client_dropped.items():
+                totals[reason] = totals.get(reason, 0) + count
+        for aligner in self.aligners.values():
+            window, unmatched = aligner.dropped_parts(run.name)
+            if window:
+                totals["server_window"] = totals.get("server_window", 0) + window
+            if unmatched:
+                totals["unmatched"] = totals.get("unmatched", 0) + unmatched
+        return {reason: count for reason, count in totals.items() if count}
 
     def _publish_progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -532,19 +611,37 @@ class Session:
             return self.tracker.steps_compared(world)
 
     def status(self) -> str:
+        return self.status_and_reasons()[0]
+
+    def status_and_reasons(self) -> tuple[str, list[str]]:
+        """The verdict, and every shortfall of coverage in sentences.
+
+        ``diverged`` as soon as a first divergence is declared.  Once every run
+        has ended: ``aligned`` only when something was compared and nothing
+        went missing; otherwise ``incomplete``, with the reasons.  A session
+        never stays ``running`` after its runs have ended.
+        """
         with self.lock:
+            reasons = coverage_problems(self)
             if self.tracker.first() is not None:
-                return "diverged"
+                return "diverged", reasons
             runs = list(self.runs.values())
-            if runs and self.baseline and self.candidates and all(r.state in _ENDED for r in runs) and self.steps_compared() > 0:
-                return "aligned"
-            return "running"
+            if not runs or not all(r.state in _ENDED for r in runs):
+                return "running", reasons
+            return ("incomplete" if reasons else "aligned"), reasons
 
 
 def _forward_names(labels: list[str]) -> set[str]:
     """Module names of "forward:<name>" labels ("(model)" is the root, named "")."""
     names = {label.split(":", 1)[1] for label in labels if label.startswith("forward:")}
     return {"" if name == "(model)" else name for name in names}
+
+
+def _merge_counts(into: dict[str, int], counts: Mapping[str, int]) -> None:
+    """Cumulative counters from the client, by key: keep the largest seen (messages may come in any order)."""
+    for key, count in counts.items():
+        if count > into.get(key, 0):
+            into[key] = count
 
 
 def _halt_command(at_step: int, reason: str) -> pb.ServerMessage:

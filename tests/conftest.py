@@ -22,6 +22,7 @@ from twinstep import kernels
 from twinstep.server import ServerConfig, serve
 
 JOB_TIMEOUT = 240
+ROOT = Path(__file__).resolve().parent.parent  # jobs run from here, so `-m tests....` modules import
 
 _KERNELS = kernels._LOADER  # this process's compiled kernels (twinstep.kernels)
 
@@ -69,11 +70,12 @@ class Job:
 
     def __init__(self, tmp: Path, framework: str, *, server: str, session: str, run: str | None = None,
                  baseline: bool = False, steps: int = 20, bug: str | None = None, capture: str = "stats",
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 module: str = "twinstep.demo.job") -> None:
         self.run = run or framework
         rank = (env or {}).get("RANK", "0")
         self.result_file = tmp / f"{session}-{self.run}-{rank}.json"
-        cmd = [sys.executable, "-m", "twinstep.demo.job", "--framework", framework, "--run", self.run,
+        cmd = [sys.executable, "-m", module, "--framework", framework, "--run", self.run,
                "--server", server, "--session", session, "--steps", str(steps), "--capture", capture,
                "--result-file", str(self.result_file)]
         if baseline:
@@ -82,7 +84,7 @@ class Job:
             cmd += ["--bug", bug]
         cmd += extra or []
         self.process = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 

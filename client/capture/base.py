@@ -19,6 +19,13 @@ Tensor = Any
 Module = Any
 
 
+class UnsupportedTensor(TypeError):
+    """A tensor twinstep cannot capture (complex, float8, quantised, ...): counted and reported, never raised into training."""
+
+    def __init__(self, dtype: object) -> None:
+        super().__init__(f"{dtype} tensors are not captured (twinstep reads float32/16/64, bfloat16, integers and bool)")
+
+
 class RemovableHandle:
     """Detaches one hook when removed; removing twice is harmless."""
 

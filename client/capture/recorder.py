@@ -23,6 +23,7 @@ import numpy as np
 
 from twinstep.capture.base import CaptureBackend, RemovableHandle
 from twinstep.capture.buffers import HostBufferPool, HostMemory, HostTensor
+from twinstep.capture.health import CaptureHealth, describe_error
 from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
 from twinstep.layouts import is_in_out
 from twinstep.sketch import SketchSpec
@@ -86,6 +87,10 @@ class CaptureConfig:
         return any(fnmatch.fnmatchcase(module_name, p) for p in self.include) and not any(
             fnmatch.fnmatchcase(module_name, p) for p in self.exclude
         )
+
+
+class StepNotCaptured(RuntimeError):
+    """Every record of a step failed: nothing of it can be delivered (a whole-step gap)."""
 
 
 @dataclass
@@ -173,7 +178,10 @@ class Recorder:
         self._new_modules: list[pb.ModuleInfo] = []
         self._buffer = _StepBuffer()
         self._active = True
-        self._hook_failures = 0
+        self._step = 0
+        self.health = CaptureHealth()
+        self._step_error: BaseException | None = None  # the first failure of the step being recorded
+        """What could not be captured (the monitor sends it to the server)."""
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
         self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
@@ -211,8 +219,8 @@ class Recorder:
                 return
             try:
                 self._record_output(name, module_type, inputs, output)
-            except Exception:  # never break the training step
-                self._hook_failed(name)
+            except Exception as error:  # never break the training step
+                self._hook_failed(pb.FORWARD, name, error)
 
         return hook
 
@@ -228,9 +236,16 @@ class Recorder:
         if self.config.inputs:
             first_input = self.backend.output_tensors(inputs)[:1]
             if first_input:
-                self._add_input(module_id, call, first_input[0])
+                try:
+                    self._add_input(module_id, call, first_input[0])
+                except Exception as error:  # evidence only: the outputs are still worth recording
+                    self._hook_failed(pb.INPUT, name, error)
         for slot, tensor in enumerate(self.backend.output_tensors(output)):
-            self._add(pb.FORWARD, module_id, call, slot, tensor, buffer.produced)
+            try:  # one unreadable output (a complex tensor, say) leaves its siblings recorded
+                self._add(pb.FORWARD, module_id, call, slot, tensor, buffer.produced)
+            except Exception as error:
+                self._hook_failed(pb.FORWARD, name, error)
+                continue
             if self.config.backward:
                 self.backend.add_grad_hook(tensor, self._grad_hook(module_id, call, slot, name))
 
@@ -249,8 +264,8 @@ class Recorder:
                 return
             try:
                 self._add(pb.BACKWARD, module_id, call, slot, grad, self._buffer.grads)
-            except Exception:
-                self._hook_failed(name)
+            except Exception as error:
+                self._hook_failed(pb.BACKWARD, name, error)
 
         return hook
 
@@ -311,15 +326,19 @@ class Recorder:
         buffer.shapes.append(shape)
         return len(buffer.phase) - 1
 
-    def _hook_failed(self, name: str) -> None:
-        self._hook_failures += 1
-        if self._hook_failures == 1:
-            logger.warning("twinstep: capture failed in module %r; training continues", name, exc_info=True)
+    def _hook_failed(self, phase: int, name: str, error: BaseException) -> None:
+        """Counted in the health ledger (which the server sees) and warned once per kind."""
+        self.health.record_failure(phase, name, self._step, error)
+        if self._step_error is None:
+            self._step_error = error
 
     # -- step boundary ------------------------------------------------------
 
-    def set_active(self, active: bool) -> None:
+    def set_active(self, active: bool, step: int | None = None) -> None:
+        """Capture (or not) the step that starts now; ``step`` names it in failure counts."""
         self._active = active
+        if step is not None:
+            self._step = step
 
     def take_new_modules(self) -> list[pb.ModuleInfo]:
         new, self._new_modules = self._new_modules, []
@@ -328,17 +347,30 @@ class Recorder:
     def finish_step(self, step: int, loss: Any) -> StepBatch:
         """Add loss, gradients and parameters; return the step and start a new one."""
         backend = self.backend
+        # Each record on its own: one that cannot be read is counted, the rest of the step still goes out.
         if loss is not None:
-            loss_tensor = backend.loss_tensor(loss)
-            if loss_tensor is not None:
-                self._add(pb.LOSS, 0, 0, 0, loss_tensor)
-        for pid, _, param in reversed(self.parameters):  # the order backward produces them
-            grad = backend.grad(param)
-            if grad is not None:
-                self._add(pb.GRAD, pid, 0, 0, grad)
-        for pid, _, param in self.parameters:
-            self._add(pb.PARAM, pid, 0, 0, param)
+            try:
+                loss_tensor = backend.loss_tensor(loss)
+                if loss_tensor is not None:
+                    self._add(pb.LOSS, 0, 0, 0, loss_tensor)
+            except Exception as error:
+                self._hook_failed(pb.LOSS, "", error)
+        for pid, name, param in reversed(self.parameters):  # the order backward produces them
+            try:
+                grad = backend.grad(param)
+                if grad is not None:
+                    self._add(pb.GRAD, pid, 0, 0, grad)
+            except Exception as error:
+                self._hook_failed(pb.GRAD, name, error)
+        for pid, name, param in self.parameters:
+            try:
+                self._add(pb.PARAM, pid, 0, 0, param)
+            except Exception as error:
+                self._hook_failed(pb.PARAM, name, error)
         buffer, self._buffer = self._buffer, _StepBuffer()
+        error, self._step_error = self._step_error, None
+        if error is not None and not buffer.phase:
+            raise StepNotCaptured(f"every record failed; the first: {describe_error(error)}") from error
         if buffer.overflow:
             logger.warning("twinstep: step %d had more than %d records; %d not recorded", step, MAX_RECORDS_PER_STEP, buffer.overflow)
         phase = np.asarray(buffer.phase, dtype=np.int32)
@@ -392,6 +424,7 @@ class Recorder:
 
     def discard_step(self) -> None:
         self._buffer = _StepBuffer()
+        self._step_error = None
 
     def remove(self) -> None:
         """Detach every hook; the model is left as it was."""

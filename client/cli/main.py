@@ -13,7 +13,7 @@ import time
 import grpc
 
 from twinstep._version import __version__
-from twinstep.report import render_text, report_to_dict
+from twinstep.report import render_text, report_schema, report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
@@ -49,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--follow", action="store_true", help="keep watching after every run has ended")
 
     report = sub.add_parser("report", help="print a session's report")
-    report.add_argument("session")
+    report.add_argument("session", nargs="?")
     _server_arg(report)
-    report.add_argument("--json", action="store_true", help="print the report as JSON")
+    report.add_argument("--json", action="store_true", help="print the report as JSON (see --schema)")
+    report.add_argument("--schema", action="store_true",
+                        help="print the JSON Schema of the --json form and exit (no server needed)")
 
     mapping = sub.add_parser("mapping", help="show the module mapping the server worked out when names differ")
     mapping.add_argument("session")
@@ -137,6 +139,7 @@ def format_event(event: pb.Event) -> str:
         runs = " | ".join(
             f"{r.name}{'*' if r.baseline else ''} step {r.last_step} {r.state}"
             + (f" dropped {r.dropped}" if r.dropped else "")
+            + (f" capture-failures {failures}" if (failures := _capture_failures(r)) else "")
             for r in event.progress.runs
         )
         return f"[{event.session}] {runs} | compared {event.progress.steps_compared}"
@@ -156,7 +159,17 @@ def format_event(event: pb.Event) -> str:
     return ""
 
 
+def _capture_failures(run: pb.RunStatus) -> int:
+    """Records and whole steps the run could not capture, over its ranks."""
+    return sum(sum(f.count for f in h.capture.failures) + h.capture.failed_steps for h in run.health)
+
+
 def _report(args: argparse.Namespace) -> int:
+    if args.schema:
+        print(json.dumps(report_schema(), indent=2))
+        return 0
+    if not args.session:
+        raise ValueError("which session? twinstep report SESSION [--json]")
     channel, stub = _stub(args.server)
     with channel:
         report = stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT)

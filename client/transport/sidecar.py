@@ -182,6 +182,10 @@ class SidecarClient:
             self._queue_control(("manifest", [m.SerializeToString() for m in modules],
                                  [p.SerializeToString() for p in parameters]))
 
+    def send_health(self, health: pb.CaptureHealth) -> None:
+        """As StreamClient's: the sender process keeps the latest snapshot and sends it."""
+        self._queue_control(("health", health.SerializeToString()))
+
     def submit(self, batch: StepBatch) -> bool:
         """Queue a step for the sender process; never blocks. Its buffers come back once encoded there."""
         if self._dead or self._closing:

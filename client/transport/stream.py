@@ -49,6 +49,30 @@ def _to_wire(message: pb.ClientMessage | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+def check_target(target: str) -> None:
+    """Raise ValueError naming what is wrong with a server address, before any connection is tried.
+
+    Accepts ``host:port`` (``[::1]:port`` for IPv6) and gRPC's ``unix:PATH``.
+    """
+    if target.startswith("unix:") and len(target) > len("unix:"):
+        return
+    hint = "expected host:port, e.g. 127.0.0.1:50051"
+    if not target:
+        raise ValueError(f"the server address is empty; {hint}")
+    if "://" in target:
+        raise ValueError(f"server address {target!r} has a URL scheme; twinstep speaks gRPC to host:port "
+                         f"({target.split('://', 1)[1].rstrip('/')!r}?)")
+    if any(c.isspace() for c in target):
+        raise ValueError(f"server address {target!r} contains white space; {hint}")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"server address {target!r} has no {'host' if sep else 'port'}; {hint}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"server address {target!r}: an IPv6 host goes in brackets, e.g. [::1]:50051")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"server address {target!r}: port {port!r} is not a number from 1 to 65535")
+
+
 @dataclass(kw_only=True)
 class StreamConfig:
     """Connection and buffering settings of one training process."""
@@ -71,8 +95,7 @@ class StreamConfig:
     backoff_max: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.target or ":" not in self.target:
-            raise ValueError(f"server must be host:port, got {self.target!r}")
+        check_target(self.target)
         if self.max_queue_steps < 1:
             raise ValueError("max_queue_steps must be at least 1")
         if self.compression not in COMPRESSIONS:
@@ -127,6 +150,8 @@ class StreamClient:
         self._sent = 0
         self._control: deque[pb.ClientMessage] = deque()
         self._manifest_sent = (0, 0)
+        self._health: pb.CaptureHealth | None = None  # the latest capture-health snapshot (cumulative)
+        self._health_sent = True  # False: the server has not seen the latest snapshot on this stream
         self._credit = -1  # highest step we may send; -1 until the server welcomes us
         self._welcomed = False
         # The server's error budgets per phase for capture="lossy" (Welcome.lossy).
@@ -224,8 +249,11 @@ class StreamClient:
             self._control.append(message)
             self._cond.notify_all()
 
-    def notify(self) -> None:
+    def send_health(self, health: pb.CaptureHealth) -> None:
+        """Tell the server what could not be captured (cumulative; only the latest is kept and sent)."""
         with self._cond:
+            self._health = health
+            self._health_sent = False
             self._cond.notify_all()
 
     def close(self, reason: str, last_step: int, timeout: float) -> None:
@@ -311,6 +339,7 @@ class StreamClient:
                     self._credit = -1
                     self._sent = 0
                     self._manifest_sent = (0, 0)
+                    self._health_sent = self._health is None  # a new stream is told again
                     self.stats.connected = False
                     self._cond.notify_all()
             if self._closing:
@@ -462,6 +491,9 @@ class StreamClient:
                         modules=self._modules[sent_modules:], parameters=self._parameters[sent_params:]
                     )
                     return pb.ClientMessage(manifest=manifest), None
+                if not self._health_sent and self._health is not None:
+                    self._health_sent = True
+                    return pb.ClientMessage(health=self._health), None
                 if self._sent < len(self._steps):
                     batch = self._steps[self._sent]
                     # Closing ignores credit: the server's own window bounds its memory.

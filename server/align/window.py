@@ -82,6 +82,11 @@ class RankAligner:
     def pending_steps(self, run: str) -> int:
         return len(self._runs[run].steps) if run in self._runs else 0
 
+    def dropped_parts(self, run: str) -> tuple[int, int]:
+        """(steps dropped from the window, steps released without a counterpart)."""
+        state = self._runs.get(run)
+        return (state.dropped, state.unmatched) if state else (0, 0)
+
     def dropped(self, run: str) -> int:
         state = self._runs.get(run)
         return (state.dropped + state.unmatched) if state else 0

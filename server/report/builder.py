@@ -14,9 +14,11 @@ _MAX_ROWS = 60
 def build_report(session: Session) -> pb.Report:
     with session.lock:
         first = session.tracker.first()
+        status, reasons = session.status_and_reasons()
         report = pb.Report(
             session=session.name,
-            status=session.status(),
+            status=status,
+            status_reasons=reasons,
             halted=session.halted,
             runs=session.run_status(),
             steps_compared=session.steps_compared(),

@@ -1,8 +1,8 @@
 """Real ports: Hugging Face transformers (torch) vs paddleformers (paddle), real model code.
 
 Each framework runs in its own process (tests/ports), random weights converted
-from torch, identical data, AdamW, float32.  Needs tests/ports/install.sh
-(part of the README's test command).
+from torch, identical data, AdamW, float32.  Needs transformers and paddleformers
+(the `latest` and `paddleformers` test legs install them; tests/envs).
 """
 
 from __future__ import annotations

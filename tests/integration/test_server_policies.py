@@ -69,8 +69,10 @@ def test_window_bounds_a_run_that_is_far_ahead_and_the_report_says_so(server):
     finish(cand, 19)
     report = server.report("window")
     runs = {r["name"]: r for r in report["runs"]}
-    assert runs["base"]["dropped"] == 15
-    assert report["steps_compared"] == 5 and report["status"] == "aligned"
+    assert runs["base"]["dropped"] == 15 and runs["base"]["dropped_by_reason"] == {"server_window": 15}
+    # Only 5 steps were compared: the verdict says so instead of "aligned".
+    assert report["steps_compared"] == 5 and report["status"] == "incomplete"
+    assert any("run 'base' lost 15 step(s)" in r and "window" in r for r in report["status_reasons"]), report
 
 
 def test_credit_tells_a_lone_lockstep_run_to_wait(server):

@@ -336,7 +336,7 @@ def _to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
 def _exact(storage: np.ndarray, dtype: str) -> np.ndarray:
     """float64 values of a storage array."""
     if dtype == "bfloat16":
-        return (storage.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return (storage.astype(np.uint32).reshape(-1) << 16).view(np.float32).astype(np.float64).reshape(storage.shape)
     return storage.astype(np.float64)
 
 
@@ -744,3 +744,13 @@ def test_lossy_verdicts_match_lossless_outside_the_margin(dtype, phase, kind):
             r, eps = exact["rel_l2"], m * tol / (2 + (2 + m) * tol)
             assert (r * (1 - eps) - 2 * eps) / (1 + eps) <= lossy["rel_l2"] <= (r * (1 + eps) + 2 * eps) / (1 - eps)
     assert checked["rel_l2"] >= 30  # most pairs sit outside the margin, on both sides
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_zero_dim_tensor_round_trips_losslessly(dtype, compress):
+    """A loss is 0-d; numpy 1.x cannot re-view a 0-d array as another item size (bfloat16 -> float32)."""
+    storage = _to_storage(np.array([2.75]), dtype).reshape(())
+    kind, data, raw = codec.encode(storage, compress=compress)
+    y = codec.decode(kind, data, raw, dtype, ())
+    assert y.shape == () and float(y) == 2.75

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.capture.recorder import StepNotCaptured
 from twinstep.v1 import twinstep_pb2 as pb
 
 FRAMEWORKS = ["torch", "paddle"]
@@ -157,7 +158,71 @@ def test_a_failing_hook_never_breaks_training(framework, caplog):
     recorder.backend.device_stats = broken
     loss = train_step()  # must not raise
     assert np.isfinite(float(loss))
-    assert sum("capture failed" in r.message for r in caplog.records) == 1
+    # Nothing of the step could be read: the step boundary says so (the monitor reports a whole-step gap).
+    with pytest.raises(StepNotCaptured, match="RuntimeError: boom"):
+        recorder.finish_step(0, loss)
+    warned = [r.message for r in caplog.records if "could not capture" in r.message]
+    recorder.set_active(True, 1)
+    with pytest.raises(StepNotCaptured):
+        recorder.finish_step(1, train_step())
+    # One warning per kind of failure (phase and error type), however many records and steps fail.
+    assert [r.message for r in caplog.records if "could not capture" in r.message] == warned
+    assert {w.split(" records")[0].rsplit(" ", 1)[1] for w in warned} == {"input", "forward", "loss", "grad", "param"}
+    # Every failed record is counted, per phase and module or parameter, with its first error.
+    health = recorder.health.snapshot()
+    by_key = {(pb.Phase.Name(f.phase), f.name): f for f in health.failures}
+    assert by_key[("FORWARD", "fc1")].count == 2
+    assert (by_key[("FORWARD", "fc1")].first_step, by_key[("FORWARD", "fc1")].last_step) == (0, 1)
+    assert by_key[("FORWARD", "fc1")].error == "RuntimeError: boom"
+    params = [name for name, _ in model.named_parameters()]
+    assert {name for phase, name in by_key if phase == "GRAD"} == set(params)
+    assert by_key[("LOSS", "")].count == 2
+    # A step where only some records fail still goes out, without them.
+    readable = type(recorder.backend).device_stats.__get__(recorder.backend)
+
+    def vectors_fail(tensor):
+        if len(tensor.shape) == 1:
+            raise RuntimeError("1-D")
+        return readable(tensor)
+
+    recorder.backend.device_stats = vectors_fail
+    recorder.set_active(True, 2)
+    batch = recorder.finish_step(2, train_step())
+    assert set(batch.phase) == {pb.FORWARD, pb.LOSS, pb.BACKWARD, pb.GRAD, pb.PARAM, pb.INPUT}
+    counts = {(f.phase, f.name): f.count for f in recorder.health.snapshot().failures}
+    for name in params:  # the biases failed a third time, the weights did not
+        assert counts[(pb.GRAD, name)] == (3 if name.endswith("bias") else 2), name
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_an_unreadable_output_is_counted_and_its_siblings_still_recorded(framework):
+    """A complex output (an FFT mixing layer, say) is a named failure, not a silent gap."""
+    if framework == "torch":
+        import torch
+
+        class TwoOutputs(torch.nn.Module):
+            def forward(self, x):
+                return torch.fft.fft(x), x * 2
+
+        model = TwoOutputs()
+        x = torch.ones(2, 4)
+    else:
+        import paddle
+
+        class TwoOutputs(paddle.nn.Layer):
+            def forward(self, x):
+                return paddle.fft.fft(x), x * 2
+
+        model = TwoOutputs()
+        x = paddle.ones([2, 4])
+    recorder = Recorder(model, backend_for(model), CaptureConfig(parameters=False))
+    model(x)
+    batch = recorder.finish_step(0, None)
+    forward = batch.phase == pb.FORWARD
+    assert list(batch.slot[forward]) == [1]  # the real output (slot 1) is recorded; the complex one is not
+    (failure,) = recorder.health.snapshot().failures
+    assert (failure.phase, failure.name, failure.count) == (pb.FORWARD, "", 1)
+    assert failure.error.startswith("UnsupportedTensor: ") and "complex64" in failure.error
 
 
 def test_attach_refuses_other_objects():

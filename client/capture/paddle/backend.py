@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from twinstep import stats
-from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.capture.buffers import HostBufferPool
 from twinstep.capture.paddle.sketch import PaddleSketcher
 from twinstep.sketch import SketchSpec
@@ -87,7 +87,10 @@ class PaddleBackend(CaptureBackend):
         return parameter.grad
 
     def describe(self, tensor: paddle.Tensor) -> tuple[str, tuple[int, ...]]:
-        return _dtype_name(tensor) or "float32", tuple(tensor.shape)
+        name = _dtype_name(tensor)
+        if name is None:
+            raise UnsupportedTensor(tensor.dtype)
+        return name, tuple(tensor.shape)
 
     def device_stats(self, tensor: paddle.Tensor) -> tuple[float, ...] | paddle.Tensor:
         x = tensor.detach()  # detached: nothing below records autograd history
@@ -172,8 +175,7 @@ class PaddleBackend(CaptureBackend):
 
 def _collect(value: Any, found: list[paddle.Tensor]) -> None:
     if isinstance(value, paddle.Tensor):
-        if _dtype_name(value) is not None:
-            found.append(value)
+        found.append(value)  # any dtype: one twinstep cannot read is counted as a failure, not skipped
     elif isinstance(value, (tuple, list)):
         for item in value:
             _collect(item, found)

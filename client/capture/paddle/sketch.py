@@ -95,7 +95,7 @@ class PaddleSketcher:
             if plan.blocks:
                 bins = _scatter_add(bins, self._shared_for(place)[1], self._bags(flat, plan), 2 * self.spec.buckets)
             if bins is None:
-                return flat.new_zeros([self.spec.buckets], dtype="float64")
+                return _zeros(flat, [self.spec.buckets], "float64")
             return paddle.matmul(bins.reshape([-1, 2]), self._signs(place))
 
     def _bags(self, flat: paddle.Tensor, plan: _Tables) -> paddle.Tensor:
@@ -108,7 +108,7 @@ class PaddleSketcher:
             first, last = c * per, min(plan.blocks, (c + 1) * per)
             body = flat if whole else flat[plan.head + first * L: plan.head + last * L]
             rows = paddle.multiply(body.reshape([-1, K, L]), pattern).reshape([-1, L])
-            bags = rows.new_zeros([2 * self.spec.buckets, L], dtype=rows.dtype)
+            bags = _zeros(rows, [2 * self.spec.buckets, L], rows.dtype)
             # Accumulating scatter: zeroes the target rows (already zero), then adds.
             index = plan.bag_of_block if plan.chunks == 1 else plan.bag_of_block[first:last]
             bags = paddle.scatter(bags, index, rows, overwrite=False)
@@ -181,8 +181,17 @@ def _scatter_add(bins: paddle.Tensor | None, index: paddle.Tensor, values: paddl
         counted = paddle.bincount(index, weights=values, minlength=size)
         return counted if bins is None else bins + counted
     if bins is None:
-        bins = values.new_zeros([size], dtype=values.dtype)
+        bins = _zeros(values, [size], values.dtype)
     return paddle.put_along_axis(bins, index, values, 0, reduce="add")
+
+
+def _zeros(like: paddle.Tensor, shape: list[int], dtype: Any) -> paddle.Tensor:
+    """Zeros on ``like``'s device.  ``Tensor.new_zeros`` exists from paddle 3.2; 3.0 and 3.1 build them and move them."""
+    new_zeros = getattr(like, "new_zeros", None)
+    if new_zeros is not None:
+        return new_zeros(shape, dtype=dtype)
+    zeros = paddle.zeros(shape, dtype=dtype)
+    return zeros if str(zeros.place) == str(like.place) else zeros._copy_to(like.place, False)
 
 
 def _upload(array: np.ndarray, place: Any) -> paddle.Tensor:

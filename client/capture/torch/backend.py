@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from twinstep import stats
-from twinstep.capture.base import CaptureBackend, RemovableHandle
+from twinstep.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.capture.buffers import HostBufferPool
 from twinstep.capture.torch.sketch import TorchSketcher
 from twinstep.sketch import SketchSpec
@@ -64,7 +64,7 @@ class TorchBackend(CaptureBackend):
 
     def output_tensors(self, output: Any) -> list[torch.Tensor]:
         if isinstance(output, torch.Tensor):
-            return [output] if output.dtype in _DTYPE_NAMES else []
+            return [output]  # any dtype: one twinstep cannot read is counted as a failure, not skipped
         found: list[torch.Tensor] = []
         _collect(output, found)
         return found
@@ -83,7 +83,10 @@ class TorchBackend(CaptureBackend):
         return parameter.grad
 
     def describe(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
-        return _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape)
+        name = _DTYPE_NAMES.get(tensor.dtype)
+        if name is None:
+            raise UnsupportedTensor(tensor.dtype)
+        return name, tuple(tensor.shape)
 
     def device_stats(self, tensor: torch.Tensor) -> tuple[float, ...] | torch.Tensor:
         x = tensor.detach()  # detached: nothing below records autograd history
@@ -185,8 +188,7 @@ class TorchBackend(CaptureBackend):
 
 def _collect(value: Any, found: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
-        if value.dtype in _DTYPE_NAMES:
-            found.append(value)
+        found.append(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
             _collect(item, found)

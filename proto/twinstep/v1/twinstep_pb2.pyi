@@ -61,7 +61,14 @@ ZSTD: Codec
 QUANT_ZSTD: Codec
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision")
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings")
+    class EnvironmentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +84,8 @@ class Hello(_message.Message):
     MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     run: str
@@ -92,7 +101,9 @@ class Hello(_message.Message):
     max_lead: int
     reference: bool
     precision: str
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ...) -> None: ...
+    environment: _containers.ScalarMap[str, str]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("id", "name", "type")
@@ -241,6 +252,45 @@ class TensorPiece(_message.Message):
     data: bytes
     def __init__(self, step: _Optional[int] = ..., record: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., error_bound: _Optional[float] = ..., quant_step: _Optional[float] = ..., same_records: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class CaptureHealth(_message.Message):
+    __slots__ = ("failures", "failed_steps", "first_failed_step", "last_failed_step", "step_error", "dropped")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    failures: _containers.RepeatedCompositeFieldContainer[CaptureFailure]
+    failed_steps: int
+    first_failed_step: int
+    last_failed_step: int
+    step_error: str
+    dropped: _containers.ScalarMap[str, int]
+    def __init__(self, failures: _Optional[_Iterable[_Union[CaptureFailure, _Mapping]]] = ..., failed_steps: _Optional[int] = ..., first_failed_step: _Optional[int] = ..., last_failed_step: _Optional[int] = ..., step_error: _Optional[str] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class CaptureFailure(_message.Message):
+    __slots__ = ("phase", "name", "count", "first_step", "last_step", "error")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    name: str
+    count: int
+    first_step: int
+    last_step: int
+    error: str
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., name: _Optional[str] = ..., count: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Close(_message.Message):
     __slots__ = ("reason", "last_step", "dropped")
     class DroppedEntry(_message.Message):
@@ -267,20 +317,22 @@ class HaltAck(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., current_step: _Optional[int] = ...) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "manifest", "step", "close", "halt_ack", "tensor")
+    __slots__ = ("hello", "manifest", "step", "close", "halt_ack", "tensor", "health")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     HALT_ACK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     manifest: Manifest
     step: StepRecords
     close: Close
     halt_ack: HaltAck
     tensor: TensorPiece
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ..., tensor: _Optional[_Union[TensorPiece, _Mapping]] = ...) -> None: ...
+    health: CaptureHealth
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ..., tensor: _Optional[_Union[TensorPiece, _Mapping]] = ..., health: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("protocol_version", "last_step_received", "lossy", "max_step_tensor_bytes")
@@ -350,7 +402,21 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped")
+    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference")
+    class EnvironmentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class DroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASELINE_FIELD_NUMBER: _ClassVar[int]
     FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +424,12 @@ class RunStatus(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     baseline: bool
     framework: str
@@ -365,7 +437,21 @@ class RunStatus(_message.Message):
     last_step: int
     state: str
     dropped: int
-    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ...) -> None: ...
+    health: _containers.RepeatedCompositeFieldContainer[RankHealth]
+    environment: _containers.ScalarMap[str, str]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    dropped_by_reason: _containers.ScalarMap[str, int]
+    first_step: int
+    reference: bool
+    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ...) -> None: ...
+
+class RankHealth(_message.Message):
+    __slots__ = ("rank", "capture")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    capture: CaptureHealth
+    def __init__(self, rank: _Optional[int] = ..., capture: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
 
 class Divergence(_message.Message):
     __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage")
@@ -500,7 +586,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +602,7 @@ class Report(_message.Message):
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_MAPPING_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_FIELD_NUMBER: _ClassVar[int]
+    STATUS_REASONS_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -531,7 +618,8 @@ class Report(_message.Message):
     culprit: str
     proposed_mapping: str
     headroom: _containers.RepeatedCompositeFieldContainer[Headroom]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ...) -> None: ...
+    status_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Headroom(_message.Message):
     __slots__ = ("candidate_run", "phase", "metric", "value", "tolerance", "step", "module", "dtype")

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class TwinstepStub:
     """Bumped on incompatible changes; the server refuses other major versions.
-    PROTOCOL_VERSION = 1
+    PROTOCOL_VERSION: see twinstep/_version.py (the one place it is defined)
 
     """
 
@@ -61,7 +61,7 @@ class TwinstepStub:
 
 class TwinstepServicer:
     """Bumped on incompatible changes; the server refuses other major versions.
-    PROTOCOL_VERSION = 1
+    PROTOCOL_VERSION: see twinstep/_version.py (the one place it is defined)
 
     """
 
@@ -122,7 +122,7 @@ def add_TwinstepServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Twinstep:
     """Bumped on incompatible changes; the server refuses other major versions.
-    PROTOCOL_VERSION = 1
+    PROTOCOL_VERSION: see twinstep/_version.py (the one place it is defined)
 
     """
 

@@ -1,0 +1,155 @@
+"""Run the whole test suite in every supported environment: the README's test command and CI's.
+
+    python3 tests/envs/run.py                  every leg, each with its tests (below)
+    python3 tests/envs/run.py --legs latest    some legs only
+    python3 tests/envs/run.py -- -x -k halt    extra pytest arguments for every leg
+
+Each leg is a virtual environment built by ``tests/envs/build.sh LEG`` from the
+pinned versions in ``tests/envs/LEG.txt`` (rebuilt only when those change).
+The first leg's tests run while the later legs build, since building is mostly
+download and unpacking and the tests mostly CPU.  Needs only Python 3 with
+``venv`` and the leg interpreters (pyenv's, or pythonX.Y on PATH).
+
+The last line is the total over every leg, ``N passed, N failed, N skipped``;
+the exit status is non-zero when any leg failed to build or any test failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+#: Tests of the real-model test bed (Hugging Face transformers vs paddleformers).
+_PORTS = "tests/integration/test_ports.py"
+
+
+@dataclass(frozen=True)
+class Leg:
+    name: str
+    what: str
+    """What the leg proves."""
+    pytest_args: tuple[str, ...]
+    """Which tests it runs (every leg runs the unit and integration tiers)."""
+
+
+#: In the order they run.  Why each runs what it runs: README, "Supported environments".
+LEGS = (
+    Leg("latest", "numpy 2.x, torch 2.13, paddle 3.3.1, the real-port test bed (paddleformers without its pins)",
+        ("tests",)),
+    Leg("paddleformers", "paddleformers installed the ordinary way: numpy 1.26.4, real ports faithful and buggy",
+        # Every model faithful, every bug of the corpus on Phi3: the same code paths as all 41, in 2/5 the time.
+        ("tests/unit_tests", "tests/integration", "-k", "not test_ports or faithful or phi3")),
+    Leg("oldest", "the lowest supported versions: Python 3.10, numpy 1.26.0, torch 2.4.1, paddle 3.0.0, grpcio 1.85.1",
+        ("tests/unit_tests", "tests/integration", "--ignore", _PORTS)),
+    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", ("tests/unit_tests", "tests/integration", "--ignore", _PORTS)),
+)
+
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
+
+
+@dataclass
+class Outcome:
+    leg: str
+    counts: dict[str, int] = field(default_factory=dict)
+    build_seconds: float = 0.0
+    test_seconds: float = 0.0
+    problem: str = ""
+
+
+def _build(leg: str) -> subprocess.Popen:
+    log = open(ROOT / ".venvs" / f"{leg}.build.log", "w")
+    return subprocess.Popen(["bash", str(HERE / "build.sh"), leg], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _counts(output: str) -> dict[str, int]:
+    """The counts of pytest's closing line."""
+    lines = [line for line in output.splitlines() if " in " in line and _SUMMARY.search(line)]
+    if not lines:
+        return {}
+    counts: dict[str, int] = {}
+    for number, word in _SUMMARY.findall(lines[-1]):
+        key = "errors" if word.startswith("error") else word
+        counts[key] = counts.get(key, 0) + int(number)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--legs", default=",".join(leg.name for leg in LEGS),
+                        help="comma-separated legs (default: all): " + ", ".join(leg.name for leg in LEGS))
+    parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every leg")
+    args = parser.parse_args(argv)
+    chosen = [leg for leg in LEGS if leg.name in args.legs.split(",")]
+    unknown = set(args.legs.split(",")) - {leg.name for leg in LEGS}
+    if unknown or not chosen:
+        parser.error(f"unknown leg(s) {', '.join(sorted(unknown)) or '(none)'}")
+    (ROOT / ".venvs").mkdir(exist_ok=True)
+
+    started = time.monotonic()
+    # Build the first leg now, the others one after another in the background.
+    builds: dict[str, tuple[subprocess.Popen | None, float]] = {}
+    pending = [leg.name for leg in chosen]
+    outcomes: list[Outcome] = []
+
+    def start_next_build() -> None:
+        if pending and not any(proc is not None and proc.poll() is None for proc, _ in builds.values()):
+            name = pending.pop(0)
+            builds[name] = (_build(name), time.monotonic())
+
+    for leg in chosen:
+        outcome = Outcome(leg.name)
+        outcomes.append(outcome)
+        while leg.name not in builds or builds[leg.name][0].poll() is None:
+            start_next_build()
+            time.sleep(1)
+        proc, build_started = builds[leg.name]
+        outcome.build_seconds = time.monotonic() - build_started
+        log = (ROOT / ".venvs" / f"{leg.name}.build.log").read_text()
+        print(f"== leg {leg.name}: {leg.what}", flush=True)
+        print("\n".join("   " + line for line in log.strip().splitlines()[-3:]), flush=True)
+        start_next_build()  # the next leg builds while this one tests
+        if proc.returncode != 0:
+            outcome.problem = f"build failed (exit {proc.returncode}); see .venvs/{leg.name}.build.log"
+            print(f"== leg {leg.name}: {outcome.problem}\n{log[-4000:]}", flush=True)
+            continue
+        python = ROOT / ".venvs" / leg.name / "bin" / "python"
+        command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", *leg.pytest_args, *args.pytest_args]
+        print(f"== leg {leg.name}: {' '.join(command[1:])}", flush=True)
+        tests_started = time.monotonic()
+        result = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "TWINSTEP_TEST_LEG": leg.name})
+        outcome.test_seconds = time.monotonic() - tests_started
+        sys.stdout.write(result.stdout)
+        outcome.counts = _counts(result.stdout)
+        if result.returncode not in (0, 5) and not outcome.counts.get("failed") and not outcome.counts.get("errors"):
+            outcome.problem = f"pytest exited {result.returncode}"
+        if not outcome.counts.get("passed"):
+            outcome.problem = outcome.problem or "no test ran"
+        start_next_build()
+
+    print("\n== summary (build s / test s)", flush=True)
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    for outcome in outcomes:
+        for key in totals:
+            totals[key] += outcome.counts.get(key, 0)
+        shown = ", ".join(f"{n} {k}" for k, n in outcome.counts.items()) or "no tests"
+        print(f"  {outcome.leg:<14} {outcome.build_seconds:6.0f} {outcome.test_seconds:6.0f}  {shown}"
+              + (f"  PROBLEM: {outcome.problem}" if outcome.problem else ""))
+    print(f"  wall time {time.monotonic() - started:.0f} s")
+    failed = totals["failed"] + totals["errors"]
+    ok = not failed and not any(o.problem for o in outcomes)
+    print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""A session whose runs have all ended is never left `running`: aligned, diverged, or incomplete with its reasons."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.rawclient import RawStream, hello, manifest, step
+from twinstep.v1 import twinstep_pb2 as pb
+
+VALUES = np.linspace(-1, 1, 16)
+
+
+def run_stream(address: str, session: str, run: str, steps: range, *, baseline: bool = False,
+               close: bool = True, health: pb.CaptureHealth | None = None) -> RawStream:
+    stream = RawStream(address).send(hello(session, run, baseline=baseline)).send(manifest((0, "fc", "Linear")))
+    assert stream.next().WhichOneof("body") == "welcome"
+    if health is not None:
+        stream.send(pb.ClientMessage(health=health))
+    for number in steps:
+        stream.send(step(number, [(0, VALUES)]))
+    if close:
+        stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=steps[-1] if steps else -1)))
+        stream.close()
+        stream.wait_end()
+    return stream
+
+
+def ended(server, session: str):
+    wait_for(lambda: all(r.state != "streaming" for r in server.report_proto(session).runs), timeout=10)
+    return server.report_proto(session)
+
+
+def test_baseline_alone_ends_incomplete_not_running(server):
+    run_stream(server.address, "alone", "torch", range(3), baseline=True)
+    report = ended(server, "alone")
+    assert report.status == "incomplete"
+    assert any("no candidate run joined" in reason for reason in report.status_reasons), report.status_reasons
+
+
+def test_candidate_that_ends_early_leaves_the_rest_uncompared(server):
+    run_stream(server.address, "early", "torch", range(6), baseline=True)
+    run_stream(server.address, "early", "paddle", range(3))
+    report = ended(server, "early")
+    assert report.status == "incomplete" and report.steps_compared == 3
+    assert any("run 'paddle' ended at step 2" in r and "steps 3 to 5 were not compared" in r
+               for r in report.status_reasons), report.status_reasons
+
+
+def test_a_lost_run_is_named(server):
+    run_stream(server.address, "lost", "torch", range(3), baseline=True)
+    stream = run_stream(server.address, "lost", "paddle", range(3), close=False)
+    wait_for(lambda: server.report_proto("lost").steps_compared == 3, timeout=10)
+    stream.channel.close()  # the process died: no Close
+    report = ended(server, "lost")
+    assert report.status == "incomplete"
+    assert any("run 'paddle' lost its connection after step 2" in r for r in report.status_reasons)
+
+
+def test_matching_runs_end_aligned_with_no_reasons(server):
+    run_stream(server.address, "ok", "torch", range(3), baseline=True)
+    run_stream(server.address, "ok", "paddle", range(3))
+    report = ended(server, "ok")
+    assert (report.status, list(report.status_reasons)) == ("aligned", [])
+
+
+def test_capture_health_is_kept_per_rank_and_bounded(server):
+    health = pb.CaptureHealth(failures=[pb.CaptureFailure(phase=pb.GRAD, name="w", count=3, first_step=0,
+                                                          last_step=2, error="ValueError: nope")])
+    run_stream(server.address, "health", "torch", range(3), baseline=True)
+    run_stream(server.address, "health", "paddle", range(3), health=health)
+    report = ended(server, "health")
+    assert report.status == "incomplete"
+    assert any("3 record(s) of 1 parameter not captured (grad 3; 'w'; steps 0 to 2): ValueError: nope" in r
+               for r in report.status_reasons), report.status_reasons
+    # A health message past the bound is refused with a clear status; the session keeps its data.
+    flood = pb.CaptureHealth(failures=[pb.CaptureFailure(name=str(i)) for i in range(5000)])
+    stream = RawStream(server.address).send(hello("health", "paddle")).send(pb.ClientMessage(health=flood))
+    error = stream.error()
+    assert error.code().name == "INVALID_ARGUMENT" and "at most 1024" in error.details()
+    assert server.report_proto("health").steps_compared == 3
+
+
+@pytest.mark.parametrize("reason, words", [("queue_full", "the send queue was full"), ("sender_lost", "sender process")])
+def test_client_drops_are_named_with_their_reason(server, reason, words):
+    session = f"drops-{reason}"
+    run_stream(server.address, session, "torch", range(3), baseline=True)
+    run_stream(server.address, session, "paddle", range(3), health=pb.CaptureHealth(dropped={reason: 2}))
+    report = ended(server, session)
+    assert report.status == "incomplete"
+    paddle_run = next(r for r in report.runs if r.name == "paddle")
+    assert dict(paddle_run.dropped_by_reason) == {reason: 2}
+    assert any("run 'paddle' lost 2 step(s)" in r and words in r for r in report.status_reasons), report.status_reasons
