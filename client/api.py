@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from twinstep import environment
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.capture.health import describe_error
 from twinstep.errors import Halted
 from twinstep.transport import ClientStats, StreamClient, StreamConfig
 from twinstep.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
@@ -64,6 +65,7 @@ class Monitor:
         lockstep_timeout: float,
         stream: StreamConfig,
         sender: str = "thread",
+        start_step: int = 0,
     ) -> None:
         self.session = session
         self.run = run
@@ -72,7 +74,7 @@ class Monitor:
         self._capture = capture
         self._lockstep = lockstep
         self._lockstep_timeout = lockstep_timeout
-        self._step = 0
+        self._step = start_step
         self._closed = False
         self._halt_lock = threading.Lock()
         self._halt: tuple[int, str] | None = None  # (at_step, reason)
@@ -94,6 +96,10 @@ class Monitor:
             max_lead=lockstep,
             reference=reference,
             precision=precision if precision != "auto" else self._backend.float32_matmul_precision(),
+            every=capture.every,
+            include=capture.include,
+            exclude=capture.exclude,
+            start_step=start_step,
             environment=environment.describe_environment(self._backend.framework, framework_version),
             warnings=environment.attach_warnings(self._backend.framework, framework_version),
         )
@@ -113,7 +119,7 @@ class Monitor:
                                   host_memory=host_memory)
         self._client.add_manifest([], self._recorder.parameter_infos)
         self._client.start()
-        self._recorder.set_active(self._captures(0), 0)
+        self._recorder.set_active(self._captures(start_step), start_step)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
@@ -122,7 +128,7 @@ class Monitor:
 
     @property
     def current_step(self) -> int:
-        """Index of the step in progress (the number of completed ``step()`` calls)."""
+        """Index of the step in progress (``start_step`` plus the number of completed ``step()`` calls)."""
         return self._step
 
     @property
@@ -149,6 +155,7 @@ class Monitor:
                 self._recorder.discard_step()
         except Exception as error:
             health.record_step_failure(step, error)  # warned once per kind; the server is told below
+            self._client.mark_missing(step, "capture_failed", describe_error(error))
             self._recorder.discard_step()
         changes = health.take_changes(self._client.stats.dropped)
         if changes is not None:
@@ -248,6 +255,7 @@ def attach(
     sketch: bool = False,
     compression: str = "auto",
     sender: str = "auto",
+    start_step: int = 0,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -288,6 +296,10 @@ def attach(
             the CPU where shared memory exists (Linux), else "thread" (an
             accelerator's copies stay asynchronous only into the thread
             sender's pinned buffers).  Statistics always use a thread.
+        start_step: the number of the first step this monitor records: a run
+            resumed from a checkpoint, or attached after some steps, numbers its
+            steps as the baseline does.  The server reports the steps before it
+            as not compared.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -296,6 +308,8 @@ def attach(
         raise ValueError("twinstep.attach needs a non-empty session and run name")
     if lockstep < 0:
         raise ValueError("lockstep must be >= 0")
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
     if precision not in ("auto", "fp32", "tf32"):
         raise ValueError(f"precision must be 'auto', 'fp32' or 'tf32', got {precision!r}")
     if sender not in ("auto", "thread", "process"):
@@ -325,4 +339,5 @@ def attach(
         stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes,
                             compression=compression),
         sender=sender,
+        start_step=start_step,
     )

@@ -12,7 +12,7 @@ from twinstep.v1 import twinstep_pb2 as pb
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 _PHASE_ORDER = ("forward", "loss", "backward", "grad", "param")
@@ -44,6 +44,9 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
             "tolerance": _finite(d.tolerance),
             "candidate_run": d.candidate_run,
             "stage": d.stage,
+            "after_gap": d.after_gap,
+            "gaps_before": [_gap(g) for g in d.gaps_before],
+            "gaps_summary": d.gaps_summary or None,
         }
     tree = None
     if report.tree:
@@ -70,10 +73,21 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
              "tolerance": _finite(h.tolerance), "step": h.step, "module": h.module, "dtype": h.dtype}
             for h in report.headroom
         ],
+        "coverage": [
+            {"candidate_run": c.candidate_run, "steps_compared": c.steps_compared,
+             "compared": [[r.first, r.last] for r in c.compared], "gaps": [_gap(g) for g in c.gaps],
+             "gaps_unlisted": c.gaps_unlisted, "declared": list(c.declared), "summary": c.summary}
+            for c in report.coverage
+        ],
         "unmatched": {"baseline": list(report.unmatched_baseline), "candidate": list(report.unmatched_candidate)},
         "proposed_mapping": report.proposed_mapping or None,
         "errors": list(report.errors),
     }
+
+
+def _gap(g: pb.Gap) -> dict[str, Any]:
+    return {"run": g.run, "rank": g.rank, "first_step": g.first_step, "last_step": g.last_step,
+            "phase": g.phase or None, "reason": g.reason}
 
 
 def _run(r: pb.RunStatus) -> dict[str, Any]:
@@ -140,6 +154,7 @@ def _long_run(summary: pb.LongRun) -> dict[str, Any]:
         "reference_loss_mean_abs": _finite(summary.reference_loss_mean_abs) if with_reference else None,
         "reference_grad_norm_mean_rel": _finite(summary.reference_grad_norm_mean_rel) if with_reference else None,
         "verdicts": list(summary.verdicts),
+        "coverage": summary.coverage,
     }
 
 
@@ -177,6 +192,9 @@ def render_text(report: pb.Report) -> str:
             f"first divergence: step {d.step}, rank {d.rank}, {d.phase} of {where!r}{also} "
             f"in run {d.candidate_run!r}: {d.metric} {d.value:.3g} > tolerance {d.tolerance:.3g}"
         )
+        if d.after_gap:
+            lines.append("  after a gap: this is the earliest divergence among the steps compared, and it may have")
+            lines.append("  begun where nothing was compared: " + d.gaps_summary)
         lines.append(f"stage: {report.stage}")
         if report.culprit:
             lines.append(f"culprit: {report.culprit}")
@@ -185,10 +203,16 @@ def render_text(report: pb.Report) -> str:
         lines.append("")
         lines.append(f"{phase} records, step {report.first_divergence.step if report.HasField('first_divergence') else 'last compared'}:")
         lines.extend(_tree_lines(report.tree))
+    if report.coverage:
+        lines.append("")
+        for coverage in report.coverage:
+            lines.append(f"coverage, candidate {coverage.candidate_run!r}: {coverage.summary}")
     for summary in report.long_run:
         lines.append("")
         lines.append(f"long run, candidate {summary.candidate_run!r}: {summary.steps} steps compared, "
                      f"criteria over the last {summary.window}:")
+        if summary.coverage:
+            lines.append(f"  ({summary.coverage})")
         lines.extend(f"  {verdict}" for verdict in summary.verdicts)
     if report.headroom:
         lines.append("")

@@ -20,6 +20,10 @@ class ServerConfig:
     """Bytes of unmatched steps held per run and rank (tensor mode)."""
     halt_on_divergence: bool = False
     """Send HALT to every process of every run of a session once its first divergence is declared."""
+    halt_after_gap: bool = True
+    """With halt_on_divergence: also halt on a divergence found after steps that were never compared
+    (it is the earliest among compared steps, and may have begun in the gap).  False holds such a
+    divergence for the user to decide (``twinstep halt``); the report and the alert say why."""
     halt_prepare_timeout: float = 2.0
     """Seconds to wait for every rank's current step before naming the halt step."""
     tolerances: ToleranceConfig = field(default_factory=ToleranceConfig)
@@ -46,7 +50,7 @@ class ServerConfig:
             raise ValueError("max_workers must be at least 4")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -88,7 +92,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
                 kwargs[key] = kind(data[key])
             except (TypeError, ValueError):
                 raise ValueError(f"{where}: {key} must be a number, got {data[key]!r}") from None
-    for key in ("halt_on_divergence", "auto_mapping"):
+    for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping"):
         if key in data:
             if not isinstance(data[key], bool):
                 raise ValueError(f"{where}: {key} must be true or false")

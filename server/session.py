@@ -29,7 +29,11 @@ from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
 from twinstep.server.detect.drift import LongRunTracker
 from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
-from twinstep.server.detect.coverage import coverage_problems, describe_failure, failure_kinds as _failure_kinds
+from twinstep.server.align.coverage import CoverageLedger
+from twinstep.server.detect.coverage import coverage_problems, describe_coverage, describe_failure
+from twinstep.server.detect.coverage import failure_kinds as _failure_kinds
+from twinstep.server.detect.gaps import Side, find_gaps
+from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.errors import InputError, invalid
@@ -52,6 +56,8 @@ class RankState:
     state: str = "streaming"
     first_step: int = -1
     last_step: int = -1
+    accounted_step: int = -1
+    """The highest step this rank delivered or said it will not deliver: how far it has got."""
     client_dropped: dict[str, int] = field(default_factory=dict)
     """Steps the client dropped, by reason (cumulative, as the client last said)."""
     manifest: Manifest = field(default_factory=Manifest)
@@ -94,7 +100,7 @@ class RunState:
         state = self.ranks.get(rank)
         if state is None:
             return -1
-        return _INF if state.state in _ENDED else state.last_step
+        return _INF if state.state in _ENDED else state.accounted_step
 
 
 class Session:
@@ -127,6 +133,7 @@ class Session:
         self._halt_acks: dict[int, dict[int, int]] = {}
         self._halt_cond = threading.Condition(self.lock)
         self._verdict_told = False
+        self.coverage = CoverageLedger()
 
     # -- membership -------------------------------------------------------------
 
@@ -204,6 +211,7 @@ class Session:
             rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
             rank_state.warnings = [w[:_MAX_TEXT] for w in hello.warnings[:_MAX_WARNINGS]]
             rank_state.environment = {k[:64]: v[:_MAX_TEXT] for k, v in list(hello.environment.items())[:32]}
+            self.coverage.declare(hello.run, hello.rank, hello)
             conn.session, conn.run, conn.rank = self.name, hello.run, hello.rank
             aligner = self._aligner(hello.rank)
             aligner.reopen(hello.run)
@@ -281,10 +289,14 @@ class Session:
             before = _failure_kinds(rank_state.health)
             rank_state.health = health
             _merge_counts(rank_state.client_dropped, health.dropped)
+            self.coverage.client_missing(conn.run or "", conn.rank, health)
+            reported = max((m.last_step for m in health.missing), default=-1)
+            rank_state.accounted_step = max(rank_state.accounted_step, reported)
             news = [kind for kind in _failure_kinds(health) if kind not in before]
             label = f"run {conn.run!r} rank {conn.rank}"
         for kind in news[:_MAX_WARNINGS]:
             self._alert("warning", f"{label}: capture is failing: {describe_failure(health, kind)}")
+        self._update_credits(conn.rank)  # steps said missing move this run along, as delivered ones do
         self._publish_progress(force=True)
 
     # -- data -----------------------------------------------------------------------
@@ -304,11 +316,18 @@ class Session:
             _merge_counts(rank_state.client_dropped, message.dropped)
             if data.step > rank_state.last_step:
                 rank_state.last_step = data.step
+            rank_state.accounted_step = max(rank_state.accounted_step, data.step)
             if rank_state.first_step < 0 or data.step < rank_state.first_step:
                 rank_state.first_step = data.step
-            pairs = self._aligner(conn.rank).add(
+            self.coverage.delivered(conn.run or "", conn.rank, data.step, list(message.incomplete))
+            aligner = self._aligner(conn.rank)
+            pairs = aligner.add(
                 conn.run or "", data, self.baseline, self._compared_runs, keep_baseline=not self.candidates
             )
+            for run_name in self.runs:
+                dropped = aligner.take_dropped_steps(run_name)
+                if dropped:
+                    self.coverage.server_dropped(run_name, conn.rank, dropped)
             self._deferred.setdefault(conn.rank, []).extend(pairs)
             self._run_deferred(conn.rank)
             declared = self._declare()
@@ -347,6 +366,7 @@ class Session:
             tf32="tf32" in (base_run.precision, self.runs[candidate_run].precision),
         )
         comparison = compare_step(base_step, cand_step, ctx)
+        self.coverage.compared(candidate_run, cand_step.rank, cand_step.step)
         if candidate_run not in self.auto_mappings and self.config.auto_mapping and comparison.unmatched_candidate:
             ctx.mapping = self._propose_mapping(candidate_run, ctx.mapping, base_step, cand_step, comparison)
             comparison = compare_step(base_step, cand_step, ctx)
@@ -416,7 +436,43 @@ class Session:
                  for r in ranks),
                 default=-1,
             )
-        return self.tracker.declare(frontier)
+        declared = self.tracker.declare(frontier)
+        for found in declared:
+            found.gaps_before, found.gaps_unlisted = self._gaps_before(found)
+        return declared
+
+    def _gaps_before(self, found: Candidate) -> tuple[list[pb.Gap], int]:
+        """Uncompared steps before a divergence, on every rank (caller holds the lock)."""
+        comparison = found.comparison
+        gaps: list[pb.Gap] = []
+        unlisted = 0
+        for rank in self._compared_ranks(comparison.candidate_run):
+            base, cand = self._sides(comparison.candidate_run, rank)
+            more, extra = find_gaps(self.coverage, base, cand, rank, comparison.step, found.row.phase)
+            gaps.extend(more)
+            unlisted += extra
+        return gaps, unlisted
+
+    def _compared_ranks(self, candidate: str) -> range:
+        base = self.runs.get(self.baseline or "")
+        cand = self.runs.get(candidate)
+        if base is None or cand is None:
+            return range(0)
+        return range(min(base.world_size, cand.world_size))
+
+    def _sides(self, candidate: str, rank: int) -> tuple[Side, Side]:
+        """The baseline and a candidate as the gap finder sees them, for one rank."""
+        out = []
+        for name in (self.baseline or "", candidate):
+            state = self.runs[name].ranks.get(rank)
+            out.append(Side(name, self.coverage.rank(name, rank), state is not None and state.state in _ENDED))
+        return out[0], out[1]
+
+    def coverage_of(self, candidate: str) -> pb.Coverage:
+        """What the comparison of ``candidate`` covered so far, and its gaps."""
+        with self.lock:
+            sides = [(rank, *self._sides(candidate, rank)) for rank in self._compared_ranks(candidate)]
+            return describe_coverage(self.coverage, candidate, sides, self.tracker.steps_compared_by(candidate))
 
     def _announce(self, declared: list[Candidate]) -> None:
         for found in declared:
@@ -429,11 +485,22 @@ class Session:
             event = pb.Event(divergence=found.to_proto())
             self.events.publish(event, keep=True)
             self._broadcast(pb.ServerMessage(event=event))
-            if self.config.halt_on_divergence:
-                self.halt(
-                    f"divergence at step {comparison.step}, {row.phase} of {row.name or '(model)'!r} "
-                    f"({row.metric} {row.value:.3g} > {row.tolerance:.3g})"
-                )
+            where = (f"divergence at step {comparison.step}, {row.phase} of {row.name or '(model)'!r} "
+                     f"({row.metric} {row.value:.3g} > {row.tolerance:.3g})")
+            gap = ""
+            if found.after_gap:
+                gap = (f"; it comes after a gap (the earliest among compared steps; it may have begun in "
+                       f"{describe_gaps(found.gaps_before, found.gaps_unlisted)})")
+                self._alert("warning", f"run {comparison.candidate_run!r}: first divergence at step "
+                            f"{comparison.step} comes after steps that were not compared: "
+                            f"{describe_gaps(found.gaps_before, found.gaps_unlisted)}")
+            if not self.config.halt_on_divergence:
+                continue
+            if found.after_gap and not self.config.halt_after_gap:
+                self._alert("warning", f"not halting on the {where}{gap}: halt_after_gap is off, so the "
+                            f"decision is yours (twinstep halt {self.name})")
+                continue
+            self.halt(where + gap)
 
     # -- flow control -------------------------------------------------------------
 
@@ -447,11 +514,11 @@ class Session:
                     continue
                 lead = run.max_lead or self.config.window_steps
                 others = [other.ranks[rank] for other in self.runs.values() if other is not run and rank in other.ranks]
-                streaming = [other.last_step for other in others if other.state == "streaming"]
+                streaming = [other.accounted_step for other in others if other.state == "streaming"]
                 if streaming:
                     pace = min(streaming)
                 elif others or not run.max_lead:
-                    pace = state.last_step  # nobody left to wait for
+                    pace = state.accounted_step  # nobody left to wait for
                 else:
                     pace = -1  # lockstep: wait for the other runs to join
                 updates.append((state.connection, pace + lead, state.last_step))

@@ -24,6 +24,8 @@ logger = logging.getLogger("twinstep")
 
 #: Most distinct (phase, name) entries kept; later ones are folded into one "(other)" entry per phase.
 MAX_ENTRIES = 512
+#: Most ranges of missing steps listed; steps past it are counted (``missing_unlisted``).
+MAX_MISSING_RANGES = 1024
 _ERROR_CHARS = 300
 
 
@@ -124,3 +126,36 @@ class CaptureHealth:
                 return
             self._warned.add(key)
         logger.warning(message, *args, exc_info=exc_info)
+
+
+class MissingSteps:
+    """Steps this process did not deliver, as ranges per reason: gaps the server knows, not infers.
+
+    Not thread-safe: its owner (the sender) calls it under its own lock.
+    """
+
+    def __init__(self) -> None:
+        self._ranges: list[pb.MissingSteps] = []
+        self.unlisted = 0
+
+    def add(self, step: int, reason: str, detail: str = "") -> None:
+        if step < 0:
+            return
+        for item in reversed(self._ranges[-8:]):  # drops come in order, per reason
+            if item.reason == reason and item.first_step - 1 <= step <= item.last_step + 1:
+                item.first_step = min(item.first_step, step)
+                item.last_step = max(item.last_step, step)
+                return
+        if len(self._ranges) >= MAX_MISSING_RANGES:
+            self.unlisted += 1
+            return
+        self._ranges.append(pb.MissingSteps(first_step=step, last_step=step, reason=reason, detail=detail[:_ERROR_CHARS]))
+
+    @property
+    def listed(self) -> bool:
+        return bool(self._ranges or self.unlisted)
+
+    def fill(self, health: pb.CaptureHealth) -> None:
+        """Put the list into a health message."""
+        health.missing.extend(self._ranges)
+        health.missing_unlisted = self.unlisted

@@ -120,6 +120,8 @@ class StepBatch:
     """[len(sketch_records), buckets] float32."""
     sketch_spec: tuple[int, int] = (0, 0)
     """(buckets, seed) of the sketches."""
+    incomplete: tuple[int, ...] = ()
+    """Phases in which some record of this step could not be captured (they are absent)."""
 
     def dims_of(self, record: int) -> tuple[int, ...]:
         """The shape of one record (dims are stored flat, ndim[i] at a time)."""
@@ -181,6 +183,7 @@ class Recorder:
         self._step = 0
         self.health = CaptureHealth()
         self._step_error: BaseException | None = None  # the first failure of the step being recorded
+        self._step_incomplete: set[int] = set()  # phases of this step with a record that failed
         """What could not be captured (the monitor sends it to the server)."""
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
@@ -331,6 +334,7 @@ class Recorder:
         self.health.record_failure(phase, name, self._step, error)
         if self._step_error is None:
             self._step_error = error
+        self._step_incomplete.add(pb.FORWARD if phase == pb.INPUT else phase)  # inputs are forward evidence
 
     # -- step boundary ------------------------------------------------------
 
@@ -369,6 +373,7 @@ class Recorder:
                 self._hook_failed(pb.PARAM, name, error)
         buffer, self._buffer = self._buffer, _StepBuffer()
         error, self._step_error = self._step_error, None
+        incomplete, self._step_incomplete = self._step_incomplete, set()
         if error is not None and not buffer.phase:
             raise StepNotCaptured(f"every record failed; the first: {describe_error(error)}") from error
         if buffer.overflow:
@@ -396,6 +401,7 @@ class Recorder:
             storage_array=backend.storage_array,
             release=self._release if self._pool is not None else None,
             copies_ready=backend.host_copies_fence() if buffer.tensors else None,
+            incomplete=tuple(sorted(incomplete)),
             **self._sketch_columns(buffer, position),
         )
 
@@ -425,6 +431,7 @@ class Recorder:
     def discard_step(self) -> None:
         self._buffer = _StepBuffer()
         self._step_error = None
+        self._step_incomplete = set()
 
     def remove(self) -> None:
         """Detach every hook; the model is left as it was."""

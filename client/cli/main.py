@@ -149,6 +149,8 @@ def format_event(event: pb.Event) -> str:
             f"[{event.session}] DIVERGENCE run {d.candidate_run!r} step {d.step} rank {d.rank} {d.phase} "
             f"{d.module or '(model)'!r}: {d.metric} {d.value:.3g} > {d.tolerance:.3g}"
             + (f"\n[{event.session}]   stage: {d.stage}" if d.stage else "")
+            + (f"\n[{event.session}]   AFTER A GAP (earliest among compared steps; not compared: {d.gaps_summary})"
+               if d.after_gap else "")
         )
     if kind == "halt":
         h = event.halt

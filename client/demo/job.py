@@ -143,6 +143,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sleep per step (simulate a slow job)")
     p.add_argument("--lockstep", type=int, default=0, metavar="N",
                    help="wait while this run leads the other by N steps (0: never wait)")
+    p.add_argument("--every", type=int, default=1, metavar="N", help="capture every N-th step (twinstep.attach's every)")
+    p.add_argument("--start-step", type=int, default=0, metavar="N",
+                   help="train N steps before attaching, then attach with start_step=N (a run that joins late)")
+    p.add_argument("--max-queue-steps", type=int, default=256, metavar="N",
+                   help="steps held while the server is behind or away (twinstep.attach's max_queue_steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
     return p.parse_args(argv)
@@ -158,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     lr = BUGGY_LR if args.bug == "lr" else LR
 
     trainer = (TorchTrainer if args.framework == "torch" else PaddleTrainer)(cfg, lr, world_size)
+    losses: list[float] = []
+    for step in range(min(args.start_step, args.steps)):  # before attaching: no twinstep at all
+        ids, tgt = spec.batch(step, rank, cfg)
+        losses.append(float(trainer.train_step(ids, tgt).item()))
+        print(f"{prefix} step {step} loss {losses[-1]:.6f} (not attached yet)", flush=True)
+        trainer.zero_grad()
     if args.no_monitor:
         mon: Any = _NoMonitor()
         halted_type: Any = ()  # an empty tuple in `except` catches nothing
@@ -167,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         mon = twinstep.attach(
             trainer.inner, session=args.session, run=run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep, sender=args.sender,
+            every=args.every, start_step=args.start_step, max_queue_steps=args.max_queue_steps,
         )
         halted_type = twinstep.Halted
 
-    losses: list[float] = []
     halted, halt_reason, halt_step = False, None, None
     try:
-        for step in range(args.steps):
+        for step in range(args.start_step, args.steps):
             ids, tgt = spec.batch(step, rank, cfg)
             loss = trainer.train_step(ids, tgt)
             losses.append(float(loss.item()))

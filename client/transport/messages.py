@@ -62,6 +62,7 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int], tensor_pi
         stats=pb.Statistics(count=batch.count.tolist(), **columns),
         dropped=dropped,
         tensor_pieces=tensor_pieces,
+        incomplete=batch.incomplete,
     )
     if batch.sketch_records is not None and len(batch.sketch_records):
         buckets, seed = batch.sketch_spec

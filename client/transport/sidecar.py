@@ -186,6 +186,10 @@ class SidecarClient:
         """As StreamClient's: the sender process keeps the latest snapshot and sends it."""
         self._queue_control(("health", health.SerializeToString()))
 
+    def mark_missing(self, step: int, reason: str, detail: str = "") -> None:
+        """As StreamClient's: the sender process lists the step with its health."""
+        self._queue_control(("missing", step, reason, detail))
+
     def submit(self, batch: StepBatch) -> bool:
         """Queue a step for the sender process; never blocks. Its buffers come back once encoded there."""
         if self._dead or self._closing:
@@ -212,9 +216,10 @@ class SidecarClient:
         with self._cond:
             self._batches.append((frame, numbers, batch.step))
             while len(self._batches) > self._config.max_queue_steps:
-                _, old, _ = self._batches.popleft()
+                _, old, old_step = self._batches.popleft()
                 self._release_numbers(old)
                 self._drop("queue_full")
+                self._queue_control(("missing", old_step, "queue_full", ""))  # the server hears which step
             self._cond.notify_all()
         return True
 

@@ -90,6 +90,9 @@ class Sender:
         elif kind == "manifest" and self._client is not None:
             self._client.add_manifest([pb.ModuleInfo.FromString(m) for m in message[1]],
                                       [pb.ParameterInfo.FromString(p) for p in message[2]])
+        elif kind == "missing" and self._client is not None:
+            _, step, reason, detail = message
+            self._client.mark_missing(step, reason, detail)
         elif kind == "health" and self._client is not None:
             self._client.send_health(pb.CaptureHealth.FromString(message[1]))
         elif kind == "batch" and self._client is not None:

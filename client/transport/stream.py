@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 import grpc
 
+from twinstep.capture.health import MissingSteps
 from twinstep.capture.recorder import StepBatch
 from twinstep.transport.messages import COMPRESSIONS, DEFAULT_PIECE_BYTES, TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
@@ -151,6 +152,7 @@ class StreamClient:
         self._control: deque[pb.ClientMessage] = deque()
         self._manifest_sent = (0, 0)
         self._health: pb.CaptureHealth | None = None  # the latest capture-health snapshot (cumulative)
+        self._missing = MissingSteps()  # steps not delivered, with their reasons (sent with the health)
         self._health_sent = True  # False: the server has not seen the latest snapshot on this stream
         self._credit = -1  # highest step we may send; -1 until the server welcomes us
         self._welcomed = False
@@ -209,10 +211,10 @@ class StreamClient:
         """Queue a step for sending; O(1) unless old steps must be dropped. Never blocks."""
         with self._cond:
             if self.stats.rejected:
-                self._drop("server_rejected")
+                self._drop("server_rejected", batch.step)
                 return False
             if self._closing or self._stopped.is_set():
-                self._drop("forked_child" if self._forked_child else "already_shutdown")
+                self._drop("forked_child" if self._forked_child else "already_shutdown", batch.step)
                 return False
             self._steps.append(batch)
             self._bytes += batch.nbytes
@@ -225,7 +227,7 @@ class StreamClient:
                 if self._sent > 0:
                     self._sent -= 1  # already on the wire, only its acknowledgement is lost
                 else:
-                    self._drop("queue_full")
+                    self._drop("queue_full", old.step)
             self._cond.notify_all()
         return True
 
@@ -256,6 +258,24 @@ class StreamClient:
             self._health_sent = False
             self._cond.notify_all()
 
+    def mark_missing(self, step: int, reason: str, detail: str = "") -> None:
+        """A step this process will not deliver (its capture failed, say): the server is told which and why."""
+        with self._cond:
+            self._missing.add(step, reason, detail)
+            self._health_sent = False
+            self._cond.notify_all()
+
+    def _health_message(self) -> pb.ClientMessage:
+        """The capture health, this sender's missing steps and drop counts, in one message (caller holds the lock)."""
+        health = pb.CaptureHealth()
+        if self._health is not None:
+            health.CopyFrom(self._health)
+        del health.missing[:]
+        self._missing.fill(health)
+        health.dropped.clear()
+        health.dropped.update({k: v for k, v in self.stats.dropped.items() if v})
+        return pb.ClientMessage(health=health)
+
     def close(self, reason: str, last_step: int, timeout: float) -> None:
         """Send what is queued, say Close, and stop; bounded by ``timeout`` seconds."""
         with self._cond:
@@ -273,9 +293,8 @@ class StreamClient:
         self._stopped.set()
         with self._cond:
             call = self._call
-            unsent = len(self._steps) - self._sent
-            for _ in range(max(unsent, 0)):
-                self._drop("shutdown")
+            for batch in list(self._steps)[max(self._sent, 0):]:
+                self._drop("shutdown", batch.step)
             self._steps.clear()
             self._cond.notify_all()
         if call is not None:
@@ -339,7 +358,7 @@ class StreamClient:
                     self._credit = -1
                     self._sent = 0
                     self._manifest_sent = (0, 0)
-                    self._health_sent = self._health is None  # a new stream is told again
+                    self._health_sent = self._health is None and not self._missing.listed  # told again
                     self.stats.connected = False
                     self._cond.notify_all()
             if self._closing:
@@ -417,11 +436,11 @@ class StreamClient:
                         self._config.max_message_bytes,
                     )
                     with self._cond:
-                        self._drop("oversized")
+                        self._drop("oversized", batch.step)
                     continue
                 if self._too_big_for_server(batch):
                     with self._cond:
-                        self._drop("oversized")
+                        self._drop("oversized", batch.step)
                     continue
                 pieces = 0
                 for piece in self._tensor_pieces(batch):
@@ -491,9 +510,9 @@ class StreamClient:
                         modules=self._modules[sent_modules:], parameters=self._parameters[sent_params:]
                     )
                     return pb.ClientMessage(manifest=manifest), None
-                if not self._health_sent and self._health is not None:
+                if not self._health_sent:
                     self._health_sent = True
-                    return pb.ClientMessage(health=self._health), None
+                    return self._health_message(), None
                 if self._sent < len(self._steps):
                     batch = self._steps[self._sent]
                     # Closing ignores credit: the server's own window bounds its memory.
@@ -507,8 +526,12 @@ class StreamClient:
 
     # -- bookkeeping ----------------------------------------------------------
 
-    def _drop(self, reason: str) -> None:
+    def _drop(self, reason: str, step: int | None = None) -> None:
+        """Count a step not delivered (caller holds the lock); the server hears which and why."""
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+        if step is not None:
+            self._missing.add(step, reason)
+            self._health_sent = False
         if reason not in ("shutdown", "forked_child", "server_rejected"):  # those are said elsewhere
             self._warn_once(
                 "drop:" + reason,
@@ -519,11 +542,11 @@ class StreamClient:
     def _reject(self, why: str) -> None:
         with self._cond:
             self.stats.rejected = why
-            dropped = len(self._steps) - self._sent
+            unsent = list(self._steps)[max(self._sent, 0):]
             self._steps.clear()
             self._sent = 0
-            for _ in range(max(dropped, 0)):
-                self._drop("server_rejected")
+            for batch in unsent:
+                self._drop("server_rejected", batch.step)
             self._stopped.set()
             self._cond.notify_all()
         logger.error("twinstep: the comparison server refused this run (%s); capture stops, training continues", why)

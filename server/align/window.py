@@ -24,6 +24,7 @@ class _RunSteps:
     delivered: int = -1  # highest step received
     done: bool = False  # the stream for this rank ended; nothing more will come
     dropped: int = 0  # steps dropped from the window
+    dropped_steps: list[int] = field(default_factory=list)  # their numbers, until the session takes them
     unmatched: int = 0  # steps released without a counterpart
 
 
@@ -82,6 +83,14 @@ class RankAligner:
     def pending_steps(self, run: str) -> int:
         return len(self._runs[run].steps) if run in self._runs else 0
 
+    def take_dropped_steps(self, run: str) -> list[int]:
+        """Numbers of the steps of ``run`` dropped from the window since the last call."""
+        state = self._runs.get(run)
+        if state is None or not state.dropped_steps:
+            return []
+        steps, state.dropped_steps = state.dropped_steps, []
+        return steps
+
     def dropped_parts(self, run: str) -> tuple[int, int]:
         """(steps dropped from the window, steps released without a counterpart)."""
         state = self._runs.get(run)
@@ -125,3 +134,4 @@ class RankAligner:
             oldest = next(iter(state.steps))
             self._pop(state, oldest)
             state.dropped += 1
+            state.dropped_steps.append(oldest)

@@ -10,20 +10,13 @@ the session from ending ``aligned``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Mapping, Protocol
+from typing import Mapping, Protocol
 
+from twinstep.server.align.coverage import CoverageLedger
+from twinstep.server.align.step_ranges import StepRanges
+from twinstep.server.detect.gaps import MAX_LISTED_GAPS, Side, find_gaps
+from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.v1 import twinstep_pb2 as pb
-
-#: Ways a client lost steps that are its own doing, in words (others are shown by their key).
-_DROP_WORDS = {
-    "queue_full": "the send queue was full",
-    "oversized": "a step was larger than a message may be",
-    "sender_lost": "the sender process died",
-    "server_rejected": "the server refused the run",
-    "shutdown": "still queued when the run closed",
-    "server_window": "the server's window overflowed while the other run lagged",
-    "unmatched": "no counterpart step in the baseline",
-}
 
 
 class RankView(Protocol):
@@ -55,9 +48,7 @@ class _SessionView(Protocol):
     @property
     def baseline(self) -> str | None: ...
 
-    def steps_compared(self) -> int: ...
-
-    def dropped_by_reason(self, run: RunView) -> dict[str, int]: ...
+    def coverage_of(self, candidate: str) -> pb.Coverage: ...
 
 
 def failure_kinds(health: pb.CaptureHealth | None) -> list[str]:
@@ -97,6 +88,56 @@ def health_sentences(health: pb.CaptureHealth | None) -> list[str]:
     return [describe_failure(health, kind) for kind in failure_kinds(health)] if health is not None else []
 
 
+def describe_coverage(ledger: CoverageLedger, candidate: str, sides: list[tuple[int, Side, Side]],
+                      steps_compared: int) -> pb.Coverage:
+    """A candidate's coverage: compared steps as ranges, the gaps up to where both runs have got, and one sentence.
+
+    ``sides``: (rank, baseline, candidate) of every rank both runs have.  While
+    either run streams, steps past the slower one are not gaps yet; once both
+    ended, steps past the one that ended first are.
+    """
+    out = pb.Coverage(candidate_run=candidate, steps_compared=steps_compared)
+    if not sides:
+        out.summary = "nothing compared yet"
+        return out
+    rank0, base0, cand0 = sides[0]
+    compared = ledger.compared_steps(candidate, rank0)
+    for first, last in list(compared)[:MAX_LISTED_GAPS]:
+        out.compared.add(first=first, last=last)
+    declared = base0.coverage.declared.words(base0.name) + cand0.coverage.declared.words(candidate)
+    out.declared.extend(declared)
+    for rank, base, cand in sides:
+        reach = [_reach(base), _reach(cand)]
+        # While a run streams, steps past the slower one are not gaps yet; once both ended, they are.
+        last = max(reach) if base.ended and cand.ended else min(reach)
+        if last < 0:
+            continue
+        gaps, unlisted = find_gaps(ledger, base, cand, rank, last)
+        out.gaps.extend(gaps[: MAX_LISTED_GAPS - len(out.gaps)])
+        out.gaps_unlisted += unlisted + max(0, len(gaps) - MAX_LISTED_GAPS)
+    out.summary = _summary(out, compared)
+    return out
+
+
+def _reach(side: Side) -> int:
+    """The highest step a run has accounted for: delivered, or said to be missing (-1: none)."""
+    lasts = [side.coverage.delivered.last] + [ranges.last for ranges in side.coverage.missing.values()]
+    return max((last for last in lasts if last is not None), default=-1)
+
+
+def _summary(coverage: pb.Coverage, compared: StepRanges) -> str:
+    if not compared.count():
+        head = "nothing compared"
+    else:
+        spans = ", ".join(_span(first, last) for first, last in list(compared)[:4]) + (", ..." if len(compared) > 4 else "")
+        head = f"compared {spans} ({coverage.steps_compared} step(s))"
+    if coverage.declared:
+        head += "; declared not captured: " + "; ".join(coverage.declared)
+    if coverage.gaps or coverage.gaps_unlisted:
+        head += "; not compared: " + describe_gaps(list(coverage.gaps), coverage.gaps_unlisted)
+    return head
+
+
 def coverage_problems(session: _SessionView) -> list[str]:
     """Every reason the session's comparison does not cover both runs whole (empty: nothing missing)."""
     runs = list(session.runs.values())
@@ -110,47 +151,37 @@ def coverage_problems(session: _SessionView) -> list[str]:
     if not candidates:
         problems.append("no candidate run joined: nothing was compared against the baseline")
     for run in runs:
-        problems.extend(_run_problems(run, session.dropped_by_reason(run)))
+        problems.extend(_run_problems(run))
     ended = all(r.state in ("finished", "halted", "lost") for r in runs)
-    if baseline is not None and ended and not session.halted:
-        problems.extend(_ended_early(baseline, candidates))
-    if baseline is not None and candidates and ended and session.steps_compared() == 0:
-        problems.append("no step was compared on both sides")
+    if baseline is None:
+        return problems
+    for cand in candidates:
+        coverage = session.coverage_of(cand.name)
+        if coverage.gaps or coverage.gaps_unlisted:
+            if session.halted and all(g.reason.startswith(f"run {g.run!r} ended") for g in coverage.gaps):
+                continue  # a halt stops the runs at different steps on purpose
+            problems.append(f"run {cand.name!r}: not compared: "
+                            f"{describe_gaps(list(coverage.gaps), coverage.gaps_unlisted, limit=4)}")
+        if ended and coverage.steps_compared == 0:
+            problems.append(f"run {cand.name!r}: no step was compared on both sides")
     return problems
 
 
-def _run_problems(run: RunView, dropped: dict[str, int]) -> list[str]:
+def _run_problems(run: RunView) -> list[str]:
+    """Per rank: nothing delivered, records not captured, a lost connection (steps missing are gaps)."""
     label = f"run {run.name!r}"
     out: list[str] = []
     for rank, state in sorted(run.ranks.items()):
         where = f"{label} rank {rank}" if len(run.ranks) > 1 else label
+        sentences = health_sentences(state.health)
         if state.last_step < 0 and state.state != "streaming":
-            why = health_sentences(state.health)
-            out.append(f"{where} delivered no step" + (f": {why[0]}" if why else " (it ended before its first step() call, "
-                                                                                "or every step was lost)"))
-        elif state.health is not None:
-            out.extend(f"{where}: {sentence}" for sentence in health_sentences(state.health))
+            out.append(f"{where} delivered no step" + (f": {sentences[0]}" if sentences else
+                                                       " (it ended before its first step() call, or every step was lost)"))
+        else:
+            out.extend(f"{where}: {sentence}" for sentence in sentences if "whole step(s)" not in sentence)
         if state.state == "lost":
             out.append(f"{where} lost its connection after step {state.last_step} "
                        "(the process ended or the network failed before it closed)")
-    if dropped:
-        parts = ", ".join(f"{count} ({_DROP_WORDS.get(reason, reason)})" for reason, count in Counter(dropped).most_common())
-        out.append(f"{label} lost {sum(dropped.values())} step(s): {parts}")
-    return out
-
-
-def _ended_early(baseline: RunView, candidates: Iterable[RunView]) -> list[str]:
-    """Runs that stopped before the others: the steps past their end were never compared."""
-    out = []
-    for cand in candidates:
-        if cand.last_step < 0 or baseline.last_step < 0:
-            continue
-        if cand.last_step < baseline.last_step:
-            out.append(f"run {cand.name!r} ended at step {cand.last_step}, the baseline {baseline.name!r} at step "
-                       f"{baseline.last_step}: steps {cand.last_step + 1} to {baseline.last_step} were not compared")
-        elif baseline.last_step < cand.last_step:
-            out.append(f"the baseline {baseline.name!r} ended at step {baseline.last_step}, run {cand.name!r} at step "
-                       f"{cand.last_step}: steps {baseline.last_step + 1} to {cand.last_step} were not compared")
     return out
 
 

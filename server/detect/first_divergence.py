@@ -9,10 +9,11 @@ delivered step s or ended, so a slow rank cannot hide an earlier divergence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.compare.records import PHASE_NAMES
+from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.stage import describe
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -26,6 +27,13 @@ class Candidate:
     comparison: StepComparison
     previous_params: tuple[float, str] | None = None
     """Closest approach to tolerance of the parameters after the step before (ratio, name)."""
+    gaps_before: list[pb.Gap] = field(default_factory=list)
+    """Uncompared, undeclared steps (or phases) before it, found when it was declared."""
+    gaps_unlisted: int = 0
+
+    @property
+    def after_gap(self) -> bool:
+        return bool(self.gaps_before) or self.gaps_unlisted > 0
 
     def to_proto(self) -> pb.Divergence:
         row, comparison = self.row, self.comparison
@@ -40,6 +48,9 @@ class Candidate:
             tolerance=row.tolerance,
             candidate_run=comparison.candidate_run,
             stage=describe(row, comparison, self.previous_params),
+            gaps_before=self.gaps_before,
+            after_gap=self.after_gap,
+            gaps_summary=describe_gaps(self.gaps_before, self.gaps_unlisted) if self.after_gap else "",
         )
 
 
@@ -82,6 +93,10 @@ class FirstDivergenceTracker:
         if not self.declared:
             return None
         return min(self.declared.values(), key=lambda c: c.key)
+
+    def steps_compared_by(self, run: str) -> int:
+        """Steps of one candidate compared on at least one rank."""
+        return len(self._compared.get(run, {}))
 
     def steps_compared(self, world_size: int) -> int:
         """Steps compared on every rank, for the candidate that got furthest."""

@@ -38,8 +38,11 @@ def build_report(session: Session) -> pb.Report:
         if proposals:
             report.proposed_mapping = automatch.to_yaml(proposals[0])
         for run in session.candidates:
+            coverage = session.coverage_of(run)
+            report.coverage.append(coverage)
             summary = session.long_run.summary(run, next(iter(session.references), None), session.config.noise_multiple)
             if summary is not None:
+                summary.coverage = coverage.summary
                 report.long_run.append(summary)
             report.headroom.extend(session.headroom.to_proto(run))
     return report

@@ -58,8 +58,10 @@ def test_a_module_whose_output_cannot_be_read_is_named_and_the_session_ends_inco
     assert report.status == "incomplete", report
     assert report.first_divergence.step == 0 and not report.HasField("first_divergence")
     assert report.steps_compared == 4  # everything else was compared, and matched
-    (reason,) = report.status_reasons
+    reason, gap = report.status_reasons
     assert "run 'paddle'" in reason and "'spectrum'" in reason and "complex64" in reason, reason
+    # Which steps lack it: every step, forward phase only.
+    assert gap.startswith("run 'paddle': not compared: steps 0 to 3 (forward only) (run 'paddle': some records"), gap
     paddle_run = next(r for r in report.runs if r.name == "paddle")
     (health,) = paddle_run.health
     (failure,) = health.capture.failures

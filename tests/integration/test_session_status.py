@@ -12,7 +12,7 @@ from twinstep.v1 import twinstep_pb2 as pb
 VALUES = np.linspace(-1, 1, 16)
 
 
-def run_stream(address: str, session: str, run: str, steps: range, *, baseline: bool = False,
+def run_stream(address: str, session: str, run: str, steps: range | list[int], *, baseline: bool = False,
                close: bool = True, health: pb.CaptureHealth | None = None) -> RawStream:
     stream = RawStream(address).send(hello(session, run, baseline=baseline)).send(manifest((0, "fc", "Linear")))
     assert stream.next().WhichOneof("body") == "welcome"
@@ -21,7 +21,7 @@ def run_stream(address: str, session: str, run: str, steps: range, *, baseline: 
     for number in steps:
         stream.send(step(number, [(0, VALUES)]))
     if close:
-        stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=steps[-1] if steps else -1)))
+        stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=list(steps)[-1] if steps else -1)))
         stream.close()
         stream.wait_end()
     return stream
@@ -44,8 +44,11 @@ def test_candidate_that_ends_early_leaves_the_rest_uncompared(server):
     run_stream(server.address, "early", "paddle", range(3))
     report = ended(server, "early")
     assert report.status == "incomplete" and report.steps_compared == 3
-    assert any("run 'paddle' ended at step 2" in r and "steps 3 to 5 were not compared" in r
-               for r in report.status_reasons), report.status_reasons
+    assert list(report.status_reasons) == ["run 'paddle': not compared: steps 3 to 5 (run 'paddle' ended at step 2)"]
+    (coverage,) = report.coverage
+    assert [(r.first, r.last) for r in coverage.compared] == [(0, 2)]
+    assert coverage.summary == ("compared steps 0 to 2 (3 step(s)); not compared: steps 3 to 5 "
+                                "(run 'paddle' ended at step 2)")
 
 
 def test_a_lost_run_is_named(server):
@@ -83,12 +86,16 @@ def test_capture_health_is_kept_per_rank_and_bounded(server):
 
 
 @pytest.mark.parametrize("reason, words", [("queue_full", "the send queue was full"), ("sender_lost", "sender process")])
-def test_client_drops_are_named_with_their_reason(server, reason, words):
+def test_client_drops_are_named_with_their_steps_and_reason(server, reason, words):
     session = f"drops-{reason}"
-    run_stream(server.address, session, "torch", range(3), baseline=True)
-    run_stream(server.address, session, "paddle", range(3), health=pb.CaptureHealth(dropped={reason: 2}))
+    run_stream(server.address, session, "torch", range(4), baseline=True)
+    health = pb.CaptureHealth(dropped={reason: 2}, missing=[pb.MissingSteps(first_step=1, last_step=2, reason=reason)])
+    run_stream(server.address, session, "paddle", [0, 3], health=health)
     report = ended(server, session)
-    assert report.status == "incomplete"
+    assert report.status == "incomplete" and report.steps_compared == 2
     paddle_run = next(r for r in report.runs if r.name == "paddle")
     assert dict(paddle_run.dropped_by_reason) == {reason: 2}
-    assert any("run 'paddle' lost 2 step(s)" in r and words in r for r in report.status_reasons), report.status_reasons
+    (reason_text,) = report.status_reasons
+    assert reason_text.startswith("run 'paddle': not compared: steps 1 to 2 (run 'paddle': ") and words in reason_text
+    (gap,) = report.coverage[0].gaps
+    assert (gap.run, gap.first_step, gap.last_step) == ("paddle", 1, 2) and words in gap.reason

@@ -61,7 +61,7 @@ ZSTD: Codec
 QUANT_ZSTD: Codec
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings")
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings", "every", "include", "exclude", "start_step")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,10 @@ class Hello(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     run: str
@@ -103,7 +107,11 @@ class Hello(_message.Message):
     precision: str
     environment: _containers.ScalarMap[str, str]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    every: int
+    include: _containers.RepeatedScalarFieldContainer[str]
+    exclude: _containers.RepeatedScalarFieldContainer[str]
+    start_step: int
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., every: _Optional[int] = ..., include: _Optional[_Iterable[str]] = ..., exclude: _Optional[_Iterable[str]] = ..., start_step: _Optional[int] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("id", "name", "type")
@@ -190,7 +198,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped", "sketches", "tensor_pieces")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped", "sketches", "tensor_pieces", "incomplete")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +220,7 @@ class StepRecords(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PIECES_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -226,7 +235,8 @@ class StepRecords(_message.Message):
     dropped: _containers.ScalarMap[str, int]
     sketches: Sketches
     tensor_pieces: int
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ...) -> None: ...
+    incomplete: _containers.RepeatedScalarFieldContainer[Phase]
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("step", "record", "offset", "numel", "codec", "raw_nbytes", "error_bound", "quant_step", "same_records", "data")
@@ -253,7 +263,7 @@ class TensorPiece(_message.Message):
     def __init__(self, step: _Optional[int] = ..., record: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., error_bound: _Optional[float] = ..., quant_step: _Optional[float] = ..., same_records: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CaptureHealth(_message.Message):
-    __slots__ = ("failures", "failed_steps", "first_failed_step", "last_failed_step", "step_error", "dropped")
+    __slots__ = ("failures", "failed_steps", "first_failed_step", "last_failed_step", "step_error", "dropped", "missing", "missing_unlisted")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -267,13 +277,29 @@ class CaptureHealth(_message.Message):
     LAST_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_ERROR_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    MISSING_UNLISTED_FIELD_NUMBER: _ClassVar[int]
     failures: _containers.RepeatedCompositeFieldContainer[CaptureFailure]
     failed_steps: int
     first_failed_step: int
     last_failed_step: int
     step_error: str
     dropped: _containers.ScalarMap[str, int]
-    def __init__(self, failures: _Optional[_Iterable[_Union[CaptureFailure, _Mapping]]] = ..., failed_steps: _Optional[int] = ..., first_failed_step: _Optional[int] = ..., last_failed_step: _Optional[int] = ..., step_error: _Optional[str] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    missing: _containers.RepeatedCompositeFieldContainer[MissingSteps]
+    missing_unlisted: int
+    def __init__(self, failures: _Optional[_Iterable[_Union[CaptureFailure, _Mapping]]] = ..., failed_steps: _Optional[int] = ..., first_failed_step: _Optional[int] = ..., last_failed_step: _Optional[int] = ..., step_error: _Optional[str] = ..., dropped: _Optional[_Mapping[str, int]] = ..., missing: _Optional[_Iterable[_Union[MissingSteps, _Mapping]]] = ..., missing_unlisted: _Optional[int] = ...) -> None: ...
+
+class MissingSteps(_message.Message):
+    __slots__ = ("first_step", "last_step", "reason", "detail")
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    first_step: int
+    last_step: int
+    reason: str
+    detail: str
+    def __init__(self, first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class CaptureFailure(_message.Message):
     __slots__ = ("phase", "name", "count", "first_step", "last_step", "error")
@@ -454,7 +480,7 @@ class RankHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., capture: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
 
 class Divergence(_message.Message):
-    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage")
+    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +491,9 @@ class Divergence(_message.Message):
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    GAPS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_GAP_FIELD_NUMBER: _ClassVar[int]
+    GAPS_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     phase: str
@@ -475,7 +504,52 @@ class Divergence(_message.Message):
     tolerance: float
     candidate_run: str
     stage: str
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+    gaps_before: _containers.RepeatedCompositeFieldContainer[Gap]
+    after_gap: bool
+    gaps_summary: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ...) -> None: ...
+
+class Gap(_message.Message):
+    __slots__ = ("run", "rank", "first_step", "last_step", "phase", "reason")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    rank: int
+    first_step: int
+    last_step: int
+    phase: str
+    reason: str
+    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StepRange(_message.Message):
+    __slots__ = ("first", "last")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    last: int
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
+
+class Coverage(_message.Message):
+    __slots__ = ("candidate_run", "steps_compared", "compared", "gaps", "declared", "summary", "gaps_unlisted")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    GAPS_UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    steps_compared: int
+    compared: _containers.RepeatedCompositeFieldContainer[StepRange]
+    gaps: _containers.RepeatedCompositeFieldContainer[Gap]
+    declared: _containers.RepeatedScalarFieldContainer[str]
+    summary: str
+    gaps_unlisted: int
+    def __init__(self, candidate_run: _Optional[str] = ..., steps_compared: _Optional[int] = ..., compared: _Optional[_Iterable[_Union[StepRange, _Mapping]]] = ..., gaps: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., declared: _Optional[_Iterable[str]] = ..., summary: _Optional[str] = ..., gaps_unlisted: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("runs", "steps_compared")
@@ -558,7 +632,7 @@ class ModuleRow(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ..., noise: _Optional[float] = ..., growth: _Optional[float] = ...) -> None: ...
 
 class LongRun(_message.Message):
-    __slots__ = ("candidate_run", "steps", "window", "first_loss_abs", "first_loss_rel", "loss_mean_abs", "loss_mean_rel", "loss_mean_signed", "grad_norm_mean_rel", "reference_loss_mean_abs", "reference_grad_norm_mean_rel", "verdicts")
+    __slots__ = ("candidate_run", "steps", "window", "first_loss_abs", "first_loss_rel", "loss_mean_abs", "loss_mean_rel", "loss_mean_signed", "grad_norm_mean_rel", "reference_loss_mean_abs", "reference_grad_norm_mean_rel", "verdicts", "coverage")
     CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -571,6 +645,7 @@ class LongRun(_message.Message):
     REFERENCE_LOSS_MEAN_ABS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_GRAD_NORM_MEAN_REL_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     candidate_run: str
     steps: int
     window: int
@@ -583,10 +658,11 @@ class LongRun(_message.Message):
     reference_loss_mean_abs: float
     reference_grad_norm_mean_rel: float
     verdicts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ...) -> None: ...
+    coverage: str
+    def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ..., coverage: _Optional[str] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -603,6 +679,7 @@ class Report(_message.Message):
     PROPOSED_MAPPING_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_FIELD_NUMBER: _ClassVar[int]
     STATUS_REASONS_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -619,7 +696,8 @@ class Report(_message.Message):
     proposed_mapping: str
     headroom: _containers.RepeatedCompositeFieldContainer[Headroom]
     status_reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    coverage: _containers.RepeatedCompositeFieldContainer[Coverage]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ...) -> None: ...
 
 class Headroom(_message.Message):
     __slots__ = ("candidate_run", "phase", "metric", "value", "tolerance", "step", "module", "dtype")
