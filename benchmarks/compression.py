@@ -174,7 +174,7 @@ def run(dtype: str, cfg: spec.ModelConfig, steps: int, margin: float, repeat: in
             x = exact(raw).astype(np.float64)
             x = x[np.isfinite(x)]
             rms = math.sqrt(float(np.dot(x, x)) / max(x.size, 1))  # what the record's statistics give
-            bound = codec.error_bound_for_record(rms, tolerances, margin)
+            bound = codec.error_bound(rms, *codec.lossy_budget(tolerances, margin))  # as a lossy client does
             decoded.append(encode_both(tally, raw, dtype, bound, repeat))
         lossless = metrics.from_tensors(exact(storage(ta)), exact(storage(tb)))
         lossy = metrics.from_tensors(*decoded)

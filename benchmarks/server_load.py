@@ -122,8 +122,11 @@ def _layout(n_records: int, tensors: bool, seed: int = 0) -> tuple[pb.Manifest, 
 
 
 def _step_message(records: list[_Rec], rank: int, *, noise: float = 0.0, diverge: int | None = None,
-                  seed: int = 0) -> pb.StepRecords:
-    """StepRecords (step 0) with consistent statistics; ``noise`` perturbs relatively, ``diverge`` one record by 20%."""
+                  seed: int = 0, pieces: list[bytes] | None = None) -> pb.StepRecords:
+    """StepRecords (step 0) with consistent statistics; ``noise`` perturbs relatively, ``diverge`` one record by 20%.
+
+    Records with a payload append their TensorPiece (serialized, without its step: see _piece_frame) to ``pieces``.
+    """
     rng = np.random.default_rng(seed)
     msg = pb.StepRecords(rank=rank)
     for i, r in enumerate(records):
@@ -145,7 +148,10 @@ def _step_message(records: list[_Rec], rank: int, *, noise: float = 0.0, diverge
             values = (np.random.default_rng(1000 + i).standard_normal(r.shape) * std + mean).astype(np.float32)
             t = stats.of_array(values)
             kind, data, raw = codec.encode(values)
-            msg.tensors.add(record=i, codec=kind, data=data, raw_nbytes=raw)
+            if pieces is not None:
+                pieces.append(pb.TensorPiece(record=i, numel=values.size, codec=kind, raw_nbytes=raw,
+                                             data=data).SerializeToString())
+                msg.tensor_pieces += 1
             row = {k: t[k][0].item() for k in stats.FIELDS}
         else:
             m2 = n * std * std
@@ -175,6 +181,12 @@ def _frame(body: bytes, step: int) -> bytes:
     """ClientMessage{step: body + (field 2 = step)}: protobuf fields may come in any order, so no reserialization."""
     inner = body + b"\x10" + _varint(step)
     return b"\x1a" + _varint(len(inner)) + inner
+
+
+def _piece_frame(body: bytes, step: int) -> bytes:
+    """ClientMessage{tensor: body + (field 1 = step)}, as _frame does for a step."""
+    inner = body + b"\x08" + _varint(step)
+    return b"\x32" + _varint(len(inner)) + inner
 
 
 def _hello(session: str, run: str, baseline: bool, rank: int, world: int) -> bytes:
@@ -268,22 +280,29 @@ def _client_process(address: str, sessions: list[str], ranks: int, records: int,
                     stop_at: float, acked: "mp.Array", slot0: int, ready: "mp.Barrier") -> None:
     """Open 2 x ranks streams per session and send as fast as credit allows until ``stop_at`` (wall clock)."""
     manifest, layout = _layout(records, tensors)
-    bodies = {(run, r): _step_message(layout, r, noise=1e-9 if run == "cand" else 0.0, seed=r).SerializeToString()
-              for run in ("base", "cand") for r in range(ranks)}
+    bodies, piece_bodies = {}, {}
+    for run in ("base", "cand"):
+        for r in range(ranks):
+            piece_bodies[(run, r)] = []
+            bodies[(run, r)] = _step_message(layout, r, noise=1e-9 if run == "cand" else 0.0, seed=r,
+                                             pieces=piece_bodies[(run, r)]).SerializeToString()
     channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
-    streams: list[tuple[Stream, bytes]] = []
+    streams: list[tuple[Stream, bytes, list[bytes]]] = []
     for session in sessions:
         for run in ("base", "cand"):
             for r in range(ranks):
-                streams.append((Stream(channel, _hello(session, run, run == "base", r, ranks), manifest), bodies[(run, r)]))
+                streams.append((Stream(channel, _hello(session, run, run == "base", r, ranks), manifest), bodies[(run, r)],
+                                piece_bodies[(run, r)]))
     ready.wait()
     deadline_perf = time.perf_counter() + (stop_at - time.time())
 
-    def pump(k: int, stream: Stream, body: bytes) -> None:
+    def pump(k: int, stream: Stream, body: bytes, pieces: list[bytes]) -> None:
         step = 0
         while time.perf_counter() < deadline_perf:
             if not stream.wait_credit(step, deadline_perf):
                 break
+            for piece in pieces:  # a step's tensors go ahead of its records
+                stream.send(_piece_frame(piece, step), step)
             stream.send(_frame(body, step), step)
             step += 1
             acked[slot0 + k] = stream.acked
@@ -291,11 +310,11 @@ def _client_process(address: str, sessions: list[str], ranks: int, records: int,
         stream.ended.wait(10)
         acked[slot0 + k] = stream.acked
 
-    threads = [threading.Thread(target=pump, args=(k, s, b), daemon=True) for k, (s, b) in enumerate(streams)]
+    threads = [threading.Thread(target=pump, args=(k, *item), daemon=True) for k, item in enumerate(streams)]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        for k, (stream, _) in enumerate(streams):
+        for k, (stream, _, _) in enumerate(streams):
             acked[slot0 + k] = stream.acked
         time.sleep(0.05)
     channel.close()
@@ -500,8 +519,10 @@ def profile(sizes: list[int], top: int = 10) -> None:
     """decode_step (both runs) + compare_step on one realistic step, in this process."""
     from twinstep.server.compare.comparator import CompareContext, compare_step
     from twinstep.server.compare.mapping import NameMapping
-    from twinstep.server.compare.records import Manifest, decode_step
+    from twinstep.server.compare.plan import PlanCache
     from twinstep.server.compare.tolerance import ToleranceConfig
+    from twinstep.server.ingest.decode import decode_step
+    from twinstep.server.ingest.manifest import Manifest
 
     for n in sizes:
         manifest_msg, layout = _layout(n, False)
@@ -511,7 +532,7 @@ def profile(sizes: list[int], top: int = 10) -> None:
         cand_msg = _step_message(layout, 0, noise=1e-9)
         base_msg.step = cand_msg.step = 3
         ctx = CompareContext(base_framework="torch", cand_framework="torch", candidate_run="cand",
-                             tolerances=ToleranceConfig(), mapping=NameMapping())
+                             tolerances=ToleranceConfig(), mapping=NameMapping(), plans=PlanCache())
         base, cand = decode_step(base_msg, manifest), decode_step(cand_msg, manifest)
         result = compare_step(base, cand, ctx)
         assert len(result.rows) == n and result.first is None, (len(result.rows), result.first)
@@ -547,7 +568,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=2, help="load-generating processes")
-    parser.add_argument("--tensors", action="store_true", help="attach RAW payloads to 1-D parameters' grads and params")
+    parser.add_argument("--tensors", action="store_true", help="send 1-D parameters' grads and params as tensor pieces too")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-profile", action="store_true")

@@ -255,7 +255,7 @@ def main() -> int:
     report_accuracy(rows, bucket_counts)
     tables = {name: cap.sketchers[sketch_def.DEFAULT_BUCKETS].cached_bytes() for name, cap in runs.items()
               if sketch_def.DEFAULT_BUCKETS in cap.sketchers}
-    print(f"\ncached device tables at 256 buckets for this model: "
+    print("\ncached device tables at 256 buckets for this model: "
           + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in tables.items()))
     default = sketch_def.SketchSpec()
     cells = 2 * default.buckets * default.block

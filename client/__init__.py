@@ -7,11 +7,44 @@
         mon.step(loss=loss)
         optimizer.zero_grad()
     mon.close()
+
+The names below are loaded on first use (PEP 562), so ``import twinstep.server``
+or a shared module (``twinstep.phases``, ``twinstep.codec``) does not start the
+training-side runtime (the gRPC sender, the capture hooks, the kernel loader).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from twinstep._version import PROTOCOL_VERSION, __version__
-from twinstep.api import Monitor, attach
-from twinstep.errors import Halted
-from twinstep.inprocess import CompareResult, compare
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time they load lazily
+    from twinstep.api import Monitor, attach
+    from twinstep.errors import Halted
+    from twinstep.inprocess import CompareResult, compare
+
+#: Public name -> the module that defines it.
+_LAZY = {
+    "attach": "twinstep.api",
+    "Monitor": "twinstep.api",
+    "Halted": "twinstep.errors",
+    "compare": "twinstep.inprocess",
+    "CompareResult": "twinstep.inprocess",
+}
 
 __all__ = ["CompareResult", "Halted", "Monitor", "PROTOCOL_VERSION", "__version__", "attach", "compare"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'twinstep' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

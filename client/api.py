@@ -21,7 +21,7 @@ from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.capture.health import describe_error
 from twinstep.errors import Halted
-from twinstep.transport import ClientStats, StreamClient, StreamConfig
+from twinstep.transport import ClientStats, Sender, StreamClient, StreamConfig
 from twinstep.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
 from twinstep.transport.sidecar import SidecarClient
 from twinstep.v1 import twinstep_pb2 as pb
@@ -107,10 +107,10 @@ class Monitor:
             # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
             sender = ("process" if capture.capture != "stats" and SHARED_MEMORY_AVAILABLE
                       and not self._backend.on_accelerator(model) else "thread")
-        self._client: StreamClient | SidecarClient
+        self._client: Sender
         if sender == "process" and capture.capture != "stats":
-            self._client = SidecarClient(hello, stream, self._on_command, lambda: self._step)
-            host_memory = self._client  # its shared buffers are the pool's
+            sidecar = SidecarClient(hello, stream, self._on_command, lambda: self._step)
+            self._client, host_memory = sidecar, sidecar  # its shared buffers are the pool's
         else:  # statistics are a few KB a step: a sender process would cost more than it saves
             self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
             host_memory = None

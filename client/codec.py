@@ -36,7 +36,7 @@ element: finite ones decode within ``error_bound``; NaN/Inf decode exactly
 
 ``raw_nbytes`` stays the storage size of the original tensor (so ``decode``
 checks it as for lossless payloads); ``quant_step`` and ``error_bound`` travel
-in ``TensorPayload``.  Limits, which the decoder enforces before allocating:
+in ``TensorPiece``.  Limits, which the decoder enforces before allocating:
 ``width <= itemsize`` of the original dtype and ``n_exceptions <= numel // 8``,
 so the frame decompresses to at most ``raw_nbytes + numel`` bytes.  Where they
 would be broken (or the dtype is not a 16/32-bit float, or the bound is 0)
@@ -65,8 +65,9 @@ errors satisfy ``||e_a|| <= delta_a * sqrt(n) = eps ||a||`` and
 * max_abs ``max |a - b|`` moves by at most ``delta_a + delta_b``: ``delta = m tol / 2``
   (absolute, the same on both sides): ``error_bound_for_max_abs``.
 
-``error_bound_for_record`` takes the smallest of the three for a record's
-tolerances.  The statistics metrics (rms, mean, extrema, nonfinite) come from
+``lossy_budget`` takes the smallest of the three for a record's tolerances, as a
+fraction of the rms capped by an absolute bound, and ``error_bound`` applies it
+to one tensor's rms (the server sends the budget, the client applies it).  The statistics metrics (rms, mean, extrema, nonfinite) come from
 the exact tensor on the client and are not affected.  The rms must be that of
 the finite elements (as ``stats.rms``); if the candidate has non-finite values
 where the baseline does not, fewer elements are compared and the bound can be
@@ -212,18 +213,31 @@ def error_bound_for_max_abs(tolerance: float, margin: float = DEFAULT_MARGIN) ->
     return margin * tolerance / 2.0
 
 
-def error_bound_for_record(rms: float, tolerances: Mapping[str, float], margin: float = DEFAULT_MARGIN) -> float:
-    """The smallest bound over the element-wise metrics (rel_l2, cosine, max_abs) of a record.
+def lossy_budget(tolerances: Mapping[str, float], margin: float = DEFAULT_MARGIN) -> tuple[float, float]:
+    """(rms_fraction, absolute): the budget of the element-wise tolerances (rel_l2, cosine, max_abs).
 
-    ``tolerances`` is what ``ToleranceConfig.for_record`` returns; missing metrics
-    count as never checked.  inf means no element-wise metric is checked.
+    What the server tells lossy clients (``LossyBound``, one per phase, for the
+    tightest tolerances a record of it can be judged by); a tensor's own bound
+    follows from its rms with :func:`error_bound`.  Missing metrics count as
+    never checked.
     """
     inf = math.inf
-    return min(
-        error_bound_for(rms, tolerances.get("rel_l2", inf), margin),
-        error_bound_for_cosine(rms, tolerances.get("cosine", inf), margin),
-        error_bound_for_max_abs(tolerances.get("max_abs", inf), margin),
-    )
+    fraction = min(error_bound_for(1.0, tolerances.get("rel_l2", inf), margin),
+                   error_bound_for_cosine(1.0, tolerances.get("cosine", inf), margin))
+    return fraction, error_bound_for_max_abs(tolerances.get("max_abs", inf), margin)
+
+
+def error_bound(rms: float, rms_fraction: float, absolute: float) -> float:
+    """Per-element bound of one tensor under a :func:`lossy_budget`: the smallest of the three metrics' bounds.
+
+    ``rms`` is that of the tensor's finite elements.  0 (send losslessly) for a
+    zero or non-finite rms; inf when no element-wise metric is checked.  Both
+    bounds of rel_l2 and cosine are proportional to the rms, so a fraction of
+    it is exact.
+    """
+    if not (math.isfinite(rms) and rms > 0):
+        return 0.0
+    return min(rms_fraction * rms, absolute)
 
 
 # -- lossy encoding ----------------------------------------------------------------
@@ -370,7 +384,7 @@ def decode(
 
     bfloat16 is widened to float32, and ``QUANT_ZSTD`` payloads always decode to
     float32.  ``quant_step`` (required for ``QUANT_ZSTD``) and ``error_bound`` (0 =
-    not given; else checked against the step) are the ``TensorPayload`` fields.
+    not given; else checked against the step) are the ``TensorPiece`` fields.
     """
     store = storage_dtype(dtype)
     numel = math.prod(shape)

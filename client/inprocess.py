@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from twinstep.api import attach
 from twinstep.capture import backend_for
 from twinstep.capture.base import CaptureBackend, RemovableHandle
-from twinstep.report import render_text, report_to_dict
+from twinstep.server.report.render import render_text, report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 
 

@@ -22,7 +22,6 @@ from typing import Callable
 
 import numpy as np
 
-from twinstep import kernels
 
 #: Columns computed on the device, in this order, by every capture backend.
 DEVICE_FIELDS = ("sum", "sum_sq", "min", "max", "abs_max", "nan_count", "inf_count", "m2")
@@ -56,10 +55,6 @@ def mean(table: dict[str, np.ndarray]) -> np.ndarray:
 def rms(table: dict[str, np.ndarray]) -> np.ndarray:
     """Root mean square: independent of element count, unlike the L2 norm."""
     return np.sqrt(np.maximum(table["sum_sq"], 0.0) / finite_count(table))
-
-
-def l2_norm(table: dict[str, np.ndarray]) -> np.ndarray:
-    return np.sqrt(np.maximum(table["sum_sq"], 0.0))
 
 
 def variance(table: dict[str, np.ndarray]) -> np.ndarray:
@@ -164,6 +159,8 @@ def host_row(
     n = values.size
     if n == 0:
         return (0.0,) * len(DEVICE_FIELDS)
+    from twinstep import kernels  # the training side's compiled kernels; the server never loads them
+
     ordered = _in_memory_order(values)
     fused = kernels.one_pass_moments(ordered.reshape(-1)) if ordered.flags.c_contiguous else None
     if fused is not None:

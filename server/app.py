@@ -9,14 +9,13 @@ from typing import Any
 
 import grpc
 
-from twinstep.report import report_to_dict
 from twinstep.server.compare.comparator import StepComparison
 from twinstep.server.config import ServerConfig
 from twinstep.server.report.builder import build_report
-from twinstep.server.servicer import TwinstepServicer
+from twinstep.server.report.render import report_to_dict
+from twinstep.server.servicer import TwinstepServicer, add_servicer
 from twinstep.server.session import SessionRegistry
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.server.wire import add_servicer
 
 logger = logging.getLogger("twinstep.server")
 
@@ -44,7 +43,7 @@ class ServerHandle:
         found = self.registry.get(session)
         if found is None:
             raise KeyError(f"no session {session!r}")
-        return build_report(found)
+        return build_report(found.snapshot())
 
     def last_comparison(self, session: str) -> StepComparison | None:
         """The latest candidate step compared in a session, with every metric per row (``values``).

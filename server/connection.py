@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from twinstep.server.compare.tensors import PieceCollector
+from twinstep.server.ingest.pieces import PieceCollector
 from twinstep.v1 import twinstep_pb2 as pb
 
 

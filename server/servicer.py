@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 
 from twinstep.server.connection import Connection, StreamEnd, StreamFailure
 from twinstep.server.errors import InputError, invalid
+from twinstep.server.ingest.wire import ReceivedPiece, parse_client_message
 from twinstep.server.report.builder import build_report
 from twinstep.server.session import Session, SessionRegistry
-from twinstep.server.wire import ReceivedPiece
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
@@ -51,7 +51,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
         session: Session | None = None
         try:
             for message in requests:
-                if isinstance(message, ReceivedPiece):  # parsed without copying its payload (server.wire)
+                if isinstance(message, ReceivedPiece):  # parsed without copying its payload (ingest.wire)
                     if session is None:
                         raise InputError(grpc.StatusCode.FAILED_PRECONDITION, "first message must be hello, got tensor")
                     conn.pieces.add(message.header, message.data)
@@ -105,7 +105,14 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
         if not request.session:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "watch needs a session name")
-        session = self.registry.get_or_create(request.session)
+        # Watching a session that no stream has named yet waits for it; it never creates it.
+        session = self.registry.get(request.session)
+        if session is None:
+            yield pb.Event(session=request.session, progress=pb.Progress())
+            while session is None:
+                if not context.is_active() or self._stopping.is_set():
+                    return
+                session = self.registry.wait_for(request.session, _POLL)
         events = session.events.subscribe()
         context.add_callback(lambda: events.put(None) if not events.full() else None)
         try:
@@ -128,7 +135,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"no session {request.session!r} on this server (sessions: {', '.join(self.registry.names()) or 'none'})",
             )
-        return build_report(session)
+        return build_report(session.snapshot())
 
     def Halt(self, request: pb.HaltRequest, context: grpc.ServicerContext) -> pb.HaltResponse:
         session = self.registry.get(request.session)
@@ -136,3 +143,35 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server")
         runs = session.halt(request.reason or "halted by an operator")
         return pb.HaltResponse(runs=runs)
+
+
+# -- registration -------------------------------------------------------------------------------
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Twinstep"]
+
+
+def add_servicer(servicer: Any, server: grpc.Server) -> None:
+    """Register the Twinstep service, as the generated code does, with Stream reading pieces zero-copy."""
+    handlers = {
+        "Stream": grpc.stream_stream_rpc_method_handler(
+            servicer.Stream, request_deserializer=parse_client_message,
+            response_serializer=pb.ServerMessage.SerializeToString,
+        ),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            servicer.Watch, request_deserializer=pb.WatchRequest.FromString,
+            response_serializer=pb.Event.SerializeToString,
+        ),
+        "GetReport": grpc.unary_unary_rpc_method_handler(
+            servicer.GetReport, request_deserializer=pb.ReportRequest.FromString,
+            response_serializer=pb.Report.SerializeToString,
+        ),
+        "Halt": grpc.unary_unary_rpc_method_handler(
+            servicer.Halt, request_deserializer=pb.HaltRequest.FromString,
+            response_serializer=pb.HaltResponse.SerializeToString,
+        ),
+    }
+    missing = set(_SERVICE.methods_by_name) - set(handlers)
+    if missing:  # a method added to the .proto must be registered here too
+        raise RuntimeError(f"twinstep.server.servicer does not register {sorted(missing)}")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)

@@ -1,228 +1,126 @@
-"""Sessions: the runs that joined, their per-rank alignment, and the verdict.
+"""A session: one comparison of a baseline with its candidates, coordinated.
 
-A session is created by the first Hello naming it.  One run is the baseline,
-the others are candidates.  All state changes happen under the session's lock;
-messages to clients and watchers are queued, never sent under it.
+Each message of a training stream takes the data path in order: ingest
+(decode the step), align (line it up with the other runs' same step), compare
+(under the candidate's mapping), detect (first divergence, gaps, noise,
+drift, headroom), then announce (watchers, halts).  The session owns none of
+those jobs; it holds the parts that do them and the lock they run under:
+
+- ``members`` (twinstep.server.runs.membership): who joined, their ranks and streams;
+- ``halting`` (runs.halt) and ``credits`` (runs.credits): stopping runs, pacing them;
+- ``mappings`` (compare.mapping_resolver): which names compare with which;
+- ``coverage`` (align.coverage): what each run delivered, declared and missed.
+
+State changes happen under ``lock``; messages to clients and watchers are sent
+after it is released.  Reports are built from :meth:`snapshot`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Mapping
 
-import grpc
-
-from twinstep._version import PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS
+from twinstep._version import PROTOCOL_VERSION
+from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.align.window import RankAligner
 from twinstep.server.alert.events import EventBus
-from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
+from twinstep.server.compare.join import RecordLabel
 from twinstep.server.compare.lossy import lossy_bounds
-from twinstep.server.compare.mapping import NameMapping
-from twinstep.server.compare.records import Manifest, decode_step
-from twinstep.server.compare.tolerance import PRECISIONS
+from twinstep.server.compare.mapping_resolver import MappingResolver
+from twinstep.server.compare.plan import PlanCache
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
-from twinstep.server.detect.drift import LongRunTracker
-from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
-from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.detect.coverage import coverage_problems, describe_coverage, describe_failure
 from twinstep.server.detect.coverage import failure_kinds as _failure_kinds
+from twinstep.server.detect.drift import LongRunTracker
+from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
 from twinstep.server.detect.gaps import Side, find_gaps
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
-from twinstep.server.errors import InputError, invalid
+from twinstep.server.errors import invalid
+from twinstep.server.ingest.decode import decode_step
+from twinstep.server.report.snapshot import SessionSnapshot
+from twinstep.server.runs.credits import credit_updates
+from twinstep.server.runs.halt import HaltCoordinator, halt_command
+from twinstep.server.runs.membership import MAX_TEXT, MAX_WARNINGS, Membership, RankState, RunState, check_hello
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep.server")
 
-_INF = float("inf")
 _PROGRESS_INTERVAL = 0.25
 _MAX_LISTED = 200
-_ENDED = ("finished", "halted", "lost")
-_MAX_TEXT = 500
-_MAX_WARNINGS = 16
 _MAX_FAILURE_ENTRIES = 1024
-
-
-@dataclass
-class RankState:
-    connection: Connection | None = None
-    state: str = "streaming"
-    first_step: int = -1
-    last_step: int = -1
-    accounted_step: int = -1
-    """The highest step this rank delivered or said it will not deliver: how far it has got."""
-    client_dropped: dict[str, int] = field(default_factory=dict)
-    """Steps the client dropped, by reason (cumulative, as the client last said)."""
-    manifest: Manifest = field(default_factory=Manifest)
-    health: pb.CaptureHealth | None = None
-    """What the client could not capture (its latest cumulative snapshot)."""
-    warnings: list[str] = field(default_factory=list)
-    environment: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class RunState:
-    name: str
-    baseline: bool
-    framework: str
-    framework_version: str
-    world_size: int
-    capture: str
-    max_lead: int
-    reference: bool = False
-    precision: str = "fp32"
-    """Arithmetic of float32 matrix products: "fp32" or "tf32"."""
-    ranks: dict[int, RankState] = field(default_factory=dict)
-
-    @property
-    def state(self) -> str:
-        states = {r.state for r in self.ranks.values()}
-        if "streaming" in states or not states:
-            return "streaming"
-        for final in ("halted", "lost"):
-            if final in states:
-                return final
-        return "finished"
-
-    @property
-    def last_step(self) -> int:
-        return max((r.last_step for r in self.ranks.values()), default=-1)
-
-    def effective_step(self, rank: int) -> float:
-        """Highest step this rank will ever have delivered by now (inf once its stream ended)."""
-        state = self.ranks.get(rank)
-        if state is None:
-            return -1
-        return _INF if state.state in _ENDED else state.accounted_step
 
 
 class Session:
     def __init__(self, name: str, config: ServerConfig) -> None:
         self.name = name
         self.config = config
-        self.created = time.time()
         self.lock = threading.RLock()
-        self.runs: dict[str, RunState] = {}
-        self.baseline: str | None = None
+        self.members = Membership(name)
+        self.events = EventBus(name)
+        self.halting = HaltCoordinator(name, config.halt_prepare_timeout, self._announce_halt)
+        self.mappings = MappingResolver(config.mapping, config.auto_mapping)
+        self.plans = PlanCache()
+        self.coverage = CoverageLedger()
         self.aligners: dict[int, RankAligner] = {}
         self.tracker = FirstDivergenceTracker()
-        self.events = EventBus(name)
-        self.halted = False
-        self.halt_reason = ""
-        self.errors: list[str] = []
-        self.last_comparison: StepComparison | None = None
-        self.unmatched_baseline: dict[str, None] = {}
-        self.unmatched_candidate: dict[str, None] = {}
-        self._last_progress = 0.0
-        self._bound_mappings: dict[tuple[str, int], tuple[int, object]] = {}
-        self._deferred: dict[int, list] = {}
-        self.auto_mappings: dict[str, dict[str, str]] = {}
-        self._auto_bound: dict[str, NameMapping] = {}
         self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
         self.long_run = LongRunTracker(config.drift_window)
         self.headroom = HeadroomTracker()
+        self.errors: list[str] = []
+        self.last_comparison: StepComparison | None = None
+        self.unmatched_baseline: dict[RecordLabel, None] = {}
+        self.unmatched_candidate: dict[RecordLabel, None] = {}
+        self._deferred: dict[int, list] = {}
         self._lossy: dict[str, pb.LossyBound] | None = None
-        self._halt_ids = itertools.count(1)
-        self._halt_acks: dict[int, dict[int, int]] = {}
-        self._halt_cond = threading.Condition(self.lock)
+        self._last_progress = 0.0
         self._verdict_told = False
-        self.coverage = CoverageLedger()
 
-    # -- membership -------------------------------------------------------------
+    # -- views of the parts --------------------------------------------------------
+
+    @property
+    def runs(self) -> dict[str, RunState]:
+        return self.members.runs
+
+    @property
+    def baseline(self) -> str | None:
+        return self.members.baseline
 
     @property
     def candidates(self) -> list[str]:
-        """Runs judged against the baseline."""
-        return [name for name, run in self.runs.items() if not run.baseline and not run.reference]
+        return self.members.candidates
 
     @property
     def references(self) -> list[str]:
-        """Reruns of the baseline that measure its own noise."""
-        return [name for name, run in self.runs.items() if run.reference]
+        return self.members.references
 
     @property
-    def _compared_runs(self) -> list[str]:
-        return [name for name, run in self.runs.items() if not run.baseline]
+    def halted(self) -> bool:
+        return self.halting.halted
+
+    # -- membership ------------------------------------------------------------------
 
     def join(self, conn: Connection, hello: pb.Hello) -> pb.ServerMessage:
-        if hello.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
-            raise InputError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"unsupported protocol version {hello.protocol_version}; this server speaks "
-                f"{', '.join(map(str, SUPPORTED_PROTOCOL_VERSIONS))}",
-            )
-        if not hello.run:
-            raise invalid("hello needs a run name")
-        if hello.world_size < 1 or hello.rank >= hello.world_size:
-            raise invalid(f"rank {hello.rank} is outside world size {hello.world_size}")
-        if hello.baseline and hello.reference:
-            raise invalid("a run is either the baseline or a reference rerun of it, not both")
-        precision = hello.precision or "fp32"
-        if precision not in PRECISIONS:
-            raise invalid(f"unknown precision {hello.precision!r}; expected one of {', '.join(PRECISIONS)}")
+        precision = check_hello(hello)
         with self.lock:
-            run = self.runs.get(hello.run)
-            if hello.baseline and self.baseline not in (None, hello.run):
-                raise InputError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"session {self.name!r} already has baseline run {self.baseline!r}; "
-                    f"join {hello.run!r} as a candidate (baseline=False) or use another session",
-                )
-            if run is None:
-                run = RunState(
-                    name=hello.run,
-                    baseline=hello.baseline,
-                    framework=hello.framework,
-                    framework_version=hello.framework_version,
-                    world_size=hello.world_size,
-                    capture=hello.capture,
-                    max_lead=hello.max_lead,
-                    reference=hello.reference,
-                    precision=precision,
-                )
-                self.runs[hello.run] = run
-                if hello.baseline:
-                    self.baseline = hello.run
-            elif (run.baseline, run.reference, run.world_size, run.framework) != (
-                hello.baseline, hello.reference, hello.world_size, hello.framework
-            ):
-                raise InputError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"run {hello.run!r} joined as baseline={run.baseline}, world_size={run.world_size}, "
-                    f"framework={run.framework!r}; this process says baseline={hello.baseline}, "
-                    f"world_size={hello.world_size}, framework={hello.framework!r}",
-                )
-            rank_state = run.ranks.get(hello.rank)
-            if rank_state is None:
-                rank_state = run.ranks[hello.rank] = RankState()
-            elif rank_state.connection is not None and rank_state.connection is not conn:
-                # A reconnect whose old stream is not yet known dead: the newest wins.
-                rank_state.connection.finish()
-            rank_state.connection = conn
-            rank_state.state = "streaming"
+            self.members.join(conn, hello, precision)
             self._verdict_told = False  # a run (re)joined: the verdict is told again when all have ended
-            rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
-            rank_state.warnings = [w[:_MAX_TEXT] for w in hello.warnings[:_MAX_WARNINGS]]
-            rank_state.environment = {k[:64]: v[:_MAX_TEXT] for k, v in list(hello.environment.items())[:32]}
             self.coverage.declare(hello.run, hello.rank, hello)
-            conn.session, conn.run, conn.rank = self.name, hello.run, hello.rank
             aligner = self._aligner(hello.rank)
             aligner.reopen(hello.run)
             received = aligner.delivered(hello.run)
-            halted = self.halted
-        logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework, hello.framework_version)
-        for warning in hello.warnings[:_MAX_WARNINGS]:
-            self._alert("warning", f"run {hello.run!r} rank {hello.rank}: {warning[:_MAX_TEXT]}")
+            halted, reason = self.halting.halted, self.halting.reason
+        logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework,
+                    hello.framework_version)
+        for warning in hello.warnings[:MAX_WARNINGS]:
+            self._alert("warning", f"run {hello.run!r} rank {hello.rank}: {warning[:MAX_TEXT]}")
         self._publish_progress(force=True)
         if halted:
-            conn.send(_halt_command(-1, self.halt_reason))
+            conn.send(halt_command(-1, reason))
         else:
             self._update_credits(hello.rank)
         welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received,
@@ -232,24 +130,13 @@ class Session:
                 welcome.lossy[phase].CopyFrom(bound)
         return pb.ServerMessage(welcome=welcome)
 
-    def _lossy_bounds(self) -> dict[str, pb.LossyBound]:
-        if self._lossy is None:
-            self._lossy = lossy_bounds(self.config.tolerances)
-        return self._lossy
-
     def leave(self, conn: Connection) -> None:
         """The stream of ``conn`` ended, cleanly (after Close) or not."""
         with self.lock:
-            run = self.runs.get(conn.run or "")
+            run = self.members.leave(conn)
             if run is None:
                 return
-            rank_state = run.ranks.get(conn.rank)
-            if rank_state is None or rank_state.connection is not conn:
-                return  # replaced by a newer stream
-            rank_state.connection = None
-            if not conn.closed_cleanly:
-                rank_state.state = "lost"
-            self._aligner(conn.rank).finish(run.name, self.baseline, self._compared_runs, not self.candidates)
+            self._aligner(conn.rank).finish(run.name, self.baseline, self.members.compared_runs, not self.candidates)
             self._run_deferred(conn.rank)
             declared = self._declare()
             ended = self._ended_verdict()
@@ -259,51 +146,33 @@ class Session:
         self._update_credits(conn.rank)
         self._publish_progress(force=True)
 
-    def _ended_verdict(self) -> tuple[str, str] | None:
-        """Once, when the last run ends without a divergence: the verdict and its reasons (caller holds the lock)."""
-        if self._verdict_told or not all(r.state in _ENDED for r in self.runs.values()):
-            return None
-        status, reasons = self.status_and_reasons()
-        if status == "diverged":
-            return None
-        self._verdict_told = True
-        if status == "aligned":
-            return "info", f"every run has ended: aligned over {self.steps_compared()} compared step(s)"
-        more = f" (and {len(reasons) - 3} more: see the report)" if len(reasons) > 3 else ""
-        return "warning", f"every run has ended: {status.upper()}: " + "; ".join(reasons[:3]) + more
-
     def close_stream(self, conn: Connection, message: pb.Close) -> None:
         with self.lock:
-            rank_state = self._rank_state(conn)
-            conn.closed_cleanly = True
-            conn.close_reason = message.reason
-            rank_state.state = "halted" if message.reason == "halted" else "finished"
-            _merge_counts(rank_state.client_dropped, message.dropped)
+            self.members.close(conn, message)
+
+    # -- ingest ------------------------------------------------------------------------
+
+    def add_manifest(self, conn: Connection, message: pb.Manifest) -> None:
+        with self.lock:
+            self.members.rank_of(conn).manifest.add(message)
 
     def add_health(self, conn: Connection, health: pb.CaptureHealth) -> None:
         """The client's latest word on what it could not capture; watchers hear of each new kind once."""
         if len(health.failures) > _MAX_FAILURE_ENTRIES:
             raise invalid(f"capture health lists {len(health.failures)} failures; at most {_MAX_FAILURE_ENTRIES}")
         with self.lock:
-            rank_state = self._rank_state(conn)
+            rank_state = self.members.rank_of(conn)
             before = _failure_kinds(rank_state.health)
             rank_state.health = health
-            _merge_counts(rank_state.client_dropped, health.dropped)
+            rank_state.merge_dropped(health.dropped)
             self.coverage.client_missing(conn.run or "", conn.rank, health)
             reported = max((m.last_step for m in health.missing), default=-1)
             rank_state.accounted_step = max(rank_state.accounted_step, reported)
             news = [kind for kind in _failure_kinds(health) if kind not in before]
-            label = f"run {conn.run!r} rank {conn.rank}"
-        for kind in news[:_MAX_WARNINGS]:
-            self._alert("warning", f"{label}: capture is failing: {describe_failure(health, kind)}")
+        for kind in news[:MAX_WARNINGS]:
+            self._alert("warning", f"run {conn.run!r} rank {conn.rank}: capture is failing: {describe_failure(health, kind)}")
         self._update_credits(conn.rank)  # steps said missing move this run along, as delivered ones do
         self._publish_progress(force=True)
-
-    # -- data -----------------------------------------------------------------------
-
-    def add_manifest(self, conn: Connection, message: pb.Manifest) -> None:
-        with self.lock:
-            self._rank_state(conn).manifest.add(message)
 
     def add_step(self, conn: Connection, message: pb.StepRecords) -> None:
         if message.rank != conn.rank:
@@ -311,19 +180,12 @@ class Session:
         if message.step < 0:
             raise invalid(f"negative step {message.step}")
         with self.lock:
-            rank_state = self._rank_state(conn)
+            rank_state = self.members.rank_of(conn)
             data = decode_step(message, rank_state.manifest, conn.pieces)
-            _merge_counts(rank_state.client_dropped, message.dropped)
-            if data.step > rank_state.last_step:
-                rank_state.last_step = data.step
-            rank_state.accounted_step = max(rank_state.accounted_step, data.step)
-            if rank_state.first_step < 0 or data.step < rank_state.first_step:
-                rank_state.first_step = data.step
-            self.coverage.delivered(conn.run or "", conn.rank, data.step, list(message.incomplete))
+            self._delivered(conn, rank_state, data.step, message)
             aligner = self._aligner(conn.rank)
-            pairs = aligner.add(
-                conn.run or "", data, self.baseline, self._compared_runs, keep_baseline=not self.candidates
-            )
+            pairs = aligner.add(conn.run or "", data, self.baseline, self.members.compared_runs,
+                                keep_baseline=not self.candidates)
             for run_name in self.runs:
                 dropped = aligner.take_dropped_steps(run_name)
                 if dropped:
@@ -335,6 +197,16 @@ class Session:
         self._update_credits(conn.rank)
         self._publish_progress()
 
+    def _delivered(self, conn: Connection, rank_state: RankState, step: int, message: pb.StepRecords) -> None:
+        rank_state.merge_dropped(message.dropped)
+        rank_state.last_step = max(rank_state.last_step, step)
+        rank_state.accounted_step = max(rank_state.accounted_step, step)
+        if rank_state.first_step < 0 or step < rank_state.first_step:
+            rank_state.first_step = step
+        self.coverage.delivered(conn.run or "", conn.rank, step, list(message.incomplete))
+
+    # -- align and compare ---------------------------------------------------------------
+
     def _run_deferred(self, rank: int) -> None:
         """Compare what is ready; a candidate step waits until every reference has passed it."""
         waiting = []
@@ -343,10 +215,7 @@ class Session:
         deferred.sort(key=lambda pair: not self.runs[pair[0]].reference)
         for run, base_step, other_step in deferred:
             if not self.runs[run].reference and len(deferred) <= self.config.window_steps:
-                behind = [
-                    ref for ref in self.references
-                    if self.runs[ref].effective_step(rank) < base_step.step
-                ]
+                behind = [ref for ref in self.references if self.runs[ref].effective_step(rank) < base_step.step]
                 if behind:
                     waiting.append((run, base_step, other_step))
                     continue
@@ -354,26 +223,39 @@ class Session:
         self._deferred[rank] = waiting
 
     def _compare(self, candidate_run: str, base_step, cand_step) -> None:
-        base_run = self.runs[self.baseline or ""]
-        reference = self.runs[candidate_run].reference
+        base_run, cand_run = self.runs[self.baseline or ""], self.runs[candidate_run]
         ctx = CompareContext(
             base_framework=base_run.framework,
-            cand_framework=self.runs[candidate_run].framework,
+            cand_framework=cand_run.framework,
             candidate_run=candidate_run,
             tolerances=self.config.tolerances,
             mapping=self._mapping_for(candidate_run, cand_step.rank),
-            noise=None if reference or not self.references else self.noise,
-            tf32="tf32" in (base_run.precision, self.runs[candidate_run].precision),
+            noise=None if cand_run.reference or not self.references else self.noise,
+            tf32="tf32" in (base_run.precision, cand_run.precision),
+            plans=self.plans,
         )
         comparison = compare_step(base_step, cand_step, ctx)
         self.coverage.compared(candidate_run, cand_step.rank, cand_step.step)
-        if candidate_run not in self.auto_mappings and self.config.auto_mapping and comparison.unmatched_candidate:
-            ctx.mapping = self._propose_mapping(candidate_run, ctx.mapping, base_step, cand_step, comparison)
+        if self.mappings.wants_proposal(candidate_run, bool(comparison.unmatched_candidate)):
+            self.mappings.propose(self.name, candidate_run, base_step, cand_step,
+                                  _forward_names(comparison.unmatched_baseline),
+                                  _forward_names(comparison.unmatched_candidate))
+            ctx.mapping = self._mapping_for(candidate_run, cand_step.rank)
             comparison = compare_step(base_step, cand_step, ctx)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
-        if reference:
+        if cand_run.reference:
             self.noise.add(comparison)
             return
+        self._detect(comparison)
+
+    def _mapping_for(self, run: str, rank: int):
+        manifest = self.runs[run].ranks[rank].manifest
+        return self.mappings.for_run(run, rank, lambda: {n: t for n, t in manifest.modules.values()},
+                                     len(manifest.modules))
+
+    # -- detect ------------------------------------------------------------------------------
+
+    def _detect(self, comparison: StepComparison) -> None:
         self.tracker.add(comparison)
         self.headroom.add(comparison)
         self.last_comparison = comparison
@@ -385,40 +267,6 @@ class Session:
                 self.unmatched_candidate[name] = None
         for error in comparison.errors:
             self._error(error)
-
-    def _propose_mapping(self, run: str, mapping: NameMapping, base_step, cand_step, comparison) -> NameMapping:
-        """Names differ: align the modules automatically, once per run, and use the result."""
-        unmatched_base = _forward_names(comparison.unmatched_baseline)
-        unmatched_cand = _forward_names(comparison.unmatched_candidate)
-        proposal = {
-            c: b for c, b in automatch.propose(base_step, cand_step).items() if c in unmatched_cand and b in unmatched_base
-        }
-        self.auto_mappings[run] = proposal
-        if proposal:
-            logger.info("session %s: matched %d renamed modules of run %r automatically (twinstep mapping %s)",
-                        self.name, len(proposal), run, self.name)
-        return self._mapping_for(run, cand_step.rank)
-
-    def _mapping_for(self, run: str, rank: int) -> NameMapping:
-        """The user's mapping, plus automatic matches, bound to the candidate's module classes."""
-        auto = self.auto_mappings.get(run)
-        if auto:
-            combined = self._auto_bound.get(run)
-            if combined is None:
-                user = self.config.mapping
-                combined = NameMapping(exact={**auto, **user.exact}, prefix=user.prefix, regex=user.regex,
-                                       fused=user.fused, permuted=user.permuted)
-                self._auto_bound[run] = combined
-            return combined
-        mapping = self.config.mapping
-        if not mapping.layer_mapping:
-            return mapping
-        manifest = self.runs[run].ranks[rank].manifest
-        cached = self._bound_mappings.get((run, rank))
-        if cached is None or cached[0] != len(manifest.modules):
-            cached = (len(manifest.modules), mapping.bind({n: t for n, t in manifest.modules.values()}))
-            self._bound_mappings[(run, rank)] = cached
-        return cached[1]
 
     def _declare(self) -> list[Candidate]:
         """Declare divergences no earlier one can precede any more (caller holds the lock)."""
@@ -465,7 +313,7 @@ class Session:
         out = []
         for name in (self.baseline or "", candidate):
             state = self.runs[name].ranks.get(rank)
-            out.append(Side(name, self.coverage.rank(name, rank), state is not None and state.state in _ENDED))
+            out.append(Side(name, self.coverage.rank(name, rank), state is not None and state.state in ("finished", "halted", "lost")))
         return out[0], out[1]
 
     def coverage_of(self, candidate: str) -> pb.Coverage:
@@ -473,6 +321,8 @@ class Session:
         with self.lock:
             sides = [(rank, *self._sides(candidate, rank)) for rank in self._compared_ranks(candidate)]
             return describe_coverage(self.coverage, candidate, sides, self.tracker.steps_compared_by(candidate))
+
+    # -- announce ---------------------------------------------------------------------------
 
     def _announce(self, declared: list[Candidate]) -> None:
         for found in declared:
@@ -489,11 +339,10 @@ class Session:
                      f"({row.metric} {row.value:.3g} > {row.tolerance:.3g})")
             gap = ""
             if found.after_gap:
-                gap = (f"; it comes after a gap (the earliest among compared steps; it may have begun in "
-                       f"{describe_gaps(found.gaps_before, found.gaps_unlisted)})")
+                gaps = describe_gaps(found.gaps_before, found.gaps_unlisted)
+                gap = f"; it comes after a gap (the earliest among compared steps; it may have begun in {gaps})"
                 self._alert("warning", f"run {comparison.candidate_run!r}: first divergence at step "
-                            f"{comparison.step} comes after steps that were not compared: "
-                            f"{describe_gaps(found.gaps_before, found.gaps_unlisted)}")
+                            f"{comparison.step} comes after steps that were not compared: {gaps}")
             if not self.config.halt_on_divergence:
                 continue
             if found.after_gap and not self.config.halt_after_gap:
@@ -502,104 +351,18 @@ class Session:
                 continue
             self.halt(where + gap)
 
-    # -- flow control -------------------------------------------------------------
-
-    def _update_credits(self, rank: int) -> None:
-        """Tell every stream of this rank how far it may run ahead."""
-        updates = []
-        with self.lock:
-            for run in self.runs.values():
-                state = run.ranks.get(rank)
-                if state is None or state.connection is None:
-                    continue
-                lead = run.max_lead or self.config.window_steps
-                others = [other.ranks[rank] for other in self.runs.values() if other is not run and rank in other.ranks]
-                streaming = [other.accounted_step for other in others if other.state == "streaming"]
-                if streaming:
-                    pace = min(streaming)
-                elif others or not run.max_lead:
-                    pace = state.accounted_step  # nobody left to wait for
-                else:
-                    pace = -1  # lockstep: wait for the other runs to join
-                updates.append((state.connection, pace + lead, state.last_step))
-        for conn, max_step, acked in updates:
-            conn.set_credit(max_step, acked)
-
-    # -- halt --------------------------------------------------------------------------
-
-    def halt(self, reason: str) -> list[str]:
-        """Halt every connected process of every run; ranks of one run stop at one step."""
-        with self.lock:
-            if self.halted:
-                return []
-            self.halted = True
-            self.halt_reason = reason
-            plan = [
-                (run.name, [s.connection for s in run.ranks.values() if s.connection is not None])
-                for run in self.runs.values()
-            ]
-        logger.warning("session %s: halting all runs: %s", self.name, reason)
-        halted_runs = []
-        for run_name, conns in plan:
-            if not conns:
-                continue
-            halted_runs.append(run_name)
-            if len(conns) == 1 and self.runs[run_name].world_size == 1:
-                conns[0].send(_halt_command(-1, reason))
-                self.events.publish(pb.Event(halt=pb.HaltNotice(reason=reason, run=run_name, at_step=-1)), keep=True)
-            else:
-                threading.Thread(
-                    target=self._coordinate_halt, args=(run_name, conns, reason), name="twinstep-halt", daemon=True
-                ).start()
-        return halted_runs
-
-    def _coordinate_halt(self, run_name: str, conns: list[Connection], reason: str) -> None:
-        """Ask every rank for its current step, then halt all at one step past the furthest."""
-        request_id = next(self._halt_ids)
-        with self.lock:
-            self._halt_acks[request_id] = {}
-        prepare = pb.ServerMessage(
-            command=pb.Command(kind=pb.Command.HALT_PREPARE, reason=reason, request_id=request_id)
-        )
-        for conn in conns:
-            conn.send(prepare)
-        deadline = time.monotonic() + self.config.halt_prepare_timeout
-        with self._halt_cond:
-            while len(self._halt_acks[request_id]) < len(conns):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._halt_cond.wait(remaining)
-            acks = self._halt_acks.pop(request_id)
-        # One step of slack: a rank may finish the step it reported before HALT arrives.
-        at_step = max(acks.values()) + 1 if acks else -1
-        if len(acks) < len(conns):
-            logger.warning("session %s: %d of %d ranks of %r answered the halt; halting at step %d", self.name, len(acks), len(conns), run_name, at_step)
-        for conn in conns:
-            conn.send(_halt_command(at_step, reason))
-        self.events.publish(pb.Event(halt=pb.HaltNotice(reason=reason, run=run_name, at_step=at_step)), keep=True)
-
-    def halt_ack(self, conn: Connection, ack: pb.HaltAck) -> None:
-        with self._halt_cond:
-            acks = self._halt_acks.get(ack.request_id)
-            if acks is not None:
-                acks[conn.rank] = ack.current_step
-                self._halt_cond.notify_all()
-
-    # -- helpers -----------------------------------------------------------------------
-
-    def _aligner(self, rank: int) -> RankAligner:
-        aligner = self.aligners.get(rank)
-        if aligner is None:
-            aligner = self.aligners[rank] = RankAligner(rank, self.config.window_steps, self.config.window_bytes)
-        return aligner
-
-    def _rank_state(self, conn: Connection) -> RankState:
-        run = self.runs.get(conn.run or "")
-        state = run.ranks.get(conn.rank) if run else None
-        if state is None or state.connection is not conn:
-            raise InputError(grpc.StatusCode.FAILED_PRECONDITION, "stream is not joined (send Hello first)")
-        return state
+    def _ended_verdict(self) -> tuple[str, str] | None:
+        """Once, when the last run ends without a divergence: the verdict and its reasons (caller holds the lock)."""
+        if self._verdict_told or not self.members.all_ended():
+            return None
+        status, reasons = self.status_and_reasons()
+        if status == "diverged":
+            return None
+        self._verdict_told = True
+        if status == "aligned":
+            return "info", f"every run has ended: aligned over {self.steps_compared()} compared step(s)"
+        more = f" (and {len(reasons) - 3} more: see the report)" if len(reasons) > 3 else ""
+        return "warning", f"every run has ended: {status.upper()}: " + "; ".join(reasons[:3]) + more
 
     def _error(self, message: str) -> None:
         if len(self.errors) < _MAX_LISTED:
@@ -613,39 +376,48 @@ class Session:
 
     def _broadcast(self, message: pb.ServerMessage) -> None:
         with self.lock:
-            conns = [s.connection for run in self.runs.values() for s in run.ranks.values() if s.connection]
+            conns = self.members.connections()
         for conn in conns:
             conn.send(message)
 
+    def _publish_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_progress < _PROGRESS_INTERVAL:
+            return
+        self._last_progress = now
+        with self.lock:
+            progress = pb.Progress(runs=self.run_status(), steps_compared=self.steps_compared())
+        self.events.publish(pb.Event(progress=progress))
+
+    # -- flow control and halt ----------------------------------------------------------------
+
+    def _update_credits(self, rank: int) -> None:
+        """Tell every stream of this rank how far it may run ahead."""
+        with self.lock:
+            updates = credit_updates(self.runs.values(), rank, self.config.window_steps)
+        for conn, max_step, acked in updates:
+            conn.set_credit(max_step, acked)
+
+    def halt(self, reason: str) -> list[str]:
+        """Halt every connected process of every run; ranks of one run stop at one step."""
+        with self.lock:
+            if not self.halting.start(reason):
+                return []
+            plan = [(run.name, run.world_size, [s.connection for s in run.ranks.values() if s.connection is not None])
+                    for run in self.runs.values()]
+        return self.halting.halt_runs(plan)
+
+    def halt_ack(self, conn: Connection, ack: pb.HaltAck) -> None:
+        self.halting.ack(conn, ack)
+
+    def _announce_halt(self, notice: pb.HaltNotice) -> None:
+        self.events.publish(pb.Event(halt=notice), keep=True)
+
+    # -- views ---------------------------------------------------------------------------------
+
     def run_status(self) -> list[pb.RunStatus]:
         with self.lock:
-            out = []
-            # The baseline first, then reference reruns, then candidates, each in the order they joined.
-            for run in sorted(self.runs.values(), key=lambda r: (not r.baseline, not r.reference)):
-                by_reason = self.dropped_by_reason(run)
-                status = pb.RunStatus(
-                    name=run.name,
-                    baseline=run.baseline,
-                    reference=run.reference,
-                    framework=run.framework,
-                    ranks=run.world_size,
-                    last_step=run.last_step,
-                    state=run.state,
-                    dropped=sum(by_reason.values()),
-                    dropped_by_reason=by_reason,
-                    first_step=min((r.first_step for r in run.ranks.values() if r.first_step >= 0), default=-1),
-                )
-                for rank, state in sorted(run.ranks.items()):
-                    if state.health is not None:
-                        status.health.append(pb.RankHealth(rank=rank, capture=state.health))
-                    for warning in state.warnings:
-                        if warning not in status.warnings:
-                            status.warnings.append(warning)
-                first_rank = run.ranks.get(0) or next(iter(run.ranks.values()), None)
-                if first_rank is not None:
-                    status.environment.update(first_rank.environment)
-                out.append(status)
-            return out
+            return self.members.status_rows(self.dropped_by_reason)
 
     def dropped_by_reason(self, run: RunState) -> dict[str, int]:
         """Steps of ``run`` lost on its clients (by their reason) or on this server."""
@@ -660,15 +432,6 @@ class Session:
             if unmatched:
                 totals["unmatched"] = totals.get("unmatched", 0) + unmatched
         return {reason: count for reason, count in totals.items() if count}
-
-    def _publish_progress(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_progress < _PROGRESS_INTERVAL:
-            return
-        self._last_progress = now
-        with self.lock:
-            progress = pb.Progress(runs=self.run_status(), steps_compared=self.steps_compared())
-        self.events.publish(pb.Event(progress=progress))
 
     def steps_compared(self) -> int:
         with self.lock:
@@ -692,35 +455,66 @@ class Session:
             reasons = coverage_problems(self)
             if self.tracker.first() is not None:
                 return "diverged", reasons
-            runs = list(self.runs.values())
-            if not runs or not all(r.state in _ENDED for r in runs):
+            if not self.members.all_ended():
                 return "running", reasons
             return ("incomplete" if reasons else "aligned"), reasons
 
+    def snapshot(self) -> SessionSnapshot:
+        """Everything a report says, copied under the lock: report building never touches live state."""
+        with self.lock:
+            status, reasons = self.status_and_reasons()
+            coverage = {run: self.coverage_of(run) for run in self.candidates}
+            reference = next(iter(self.references), None)
+            long_run = []
+            for run in self.candidates:
+                summary = self.long_run.summary(run, reference, self.config.noise_multiple)
+                if summary is not None:
+                    summary.coverage = coverage[run].summary
+                    long_run.append(summary)
+            return SessionSnapshot(
+                name=self.name,
+                status=status,
+                status_reasons=tuple(reasons),
+                halted=self.halting.halted,
+                runs=tuple(self.run_status()),
+                steps_compared=self.steps_compared(),
+                first=self.tracker.first(),
+                last_comparison=self.last_comparison,
+                unmatched_baseline=tuple(map(str, self.unmatched_baseline)),
+                unmatched_candidate=tuple(map(str, self.unmatched_candidate)),
+                errors=tuple(self.errors),
+                proposed_mapping=next((self.mappings.proposals[run] for run in self.candidates
+                                       if self.mappings.proposals.get(run)), None),
+                coverage=tuple(coverage.values()),
+                long_run=tuple(long_run),
+                headroom=tuple(h for run in self.candidates for h in self.headroom.to_proto(run)),
+            )
 
-def _forward_names(labels: list[str]) -> set[str]:
-    """Module names of "forward:<name>" labels ("(model)" is the root, named "")."""
-    names = {label.split(":", 1)[1] for label in labels if label.startswith("forward:")}
-    return {"" if name == "(model)" else name for name in names}
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _aligner(self, rank: int) -> RankAligner:
+        aligner = self.aligners.get(rank)
+        if aligner is None:
+            aligner = self.aligners[rank] = RankAligner(rank, self.config.window_steps, self.config.window_bytes)
+        return aligner
+
+    def _lossy_bounds(self) -> dict[str, pb.LossyBound]:
+        if self._lossy is None:
+            self._lossy = lossy_bounds(self.config.tolerances)
+        return self._lossy
 
 
-def _merge_counts(into: dict[str, int], counts: Mapping[str, int]) -> None:
-    """Cumulative counters from the client, by key: keep the largest seen (messages may come in any order)."""
-    for key, count in counts.items():
-        if count > into.get(key, 0):
-            into[key] = count
-
-
-def _halt_command(at_step: int, reason: str) -> pb.ServerMessage:
-    return pb.ServerMessage(command=pb.Command(kind=pb.Command.HALT, reason=reason, at_step=at_step))
+def _forward_names(labels: list[RecordLabel]) -> set[str]:
+    """Module names of the forward records among ``labels`` ("" is the model's root)."""
+    return {label.name for label in labels if label.phase == "forward"}
 
 
 class SessionRegistry:
-    """All sessions of one server, created on first mention."""
+    """All sessions of one server, created by the first stream that names them."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}
 
     def get(self, name: str) -> Session | None:
@@ -736,7 +530,19 @@ class SessionRegistry:
             session = self._sessions.get(name)
             if session is None:
                 session = self._sessions[name] = Session(name, self.config)
+                self._lock.notify_all()
             return session
+
+    def wait_for(self, name: str, timeout: float) -> Session | None:
+        """The session, once a stream creates it (None after ``timeout`` seconds); never creates one."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while name not in self._sessions:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
+            return self._sessions[name]
 
     def names(self) -> list[str]:
         with self._lock:

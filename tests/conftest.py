@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +50,32 @@ def server(request: pytest.FixtureRequest) -> Iterator:
     handle.stop(grace=0.5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def refused_address() -> Iterator[str]:
+    """An address where a connection is refused: a port this test holds bound, with nothing listening.
+
+    Held for the whole test, so no other process can take it meanwhile (unlike a port
+    looked up free and released).
+    """
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{held.getsockname()[1]}"
+
+
+def serve_process(*args: str) -> tuple[subprocess.Popen, str]:
+    """`twinstep serve` in a process of its own, on a port it binds itself; returns (process, address).
+
+    Its log keeps being read in the background, so it never blocks on a full pipe.
+    """
+    process = subprocess.Popen([sys.executable, "-m", "twinstep", "serve", "--port", "0", *args], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        found = re.search(r"listening on (\S+)", line)
+        if found:
+            threading.Thread(target=process.stdout.read, daemon=True).start()
+            return process, found.group(1)
+    process.wait(timeout=10)
+    raise AssertionError(f"twinstep serve exited with {process.returncode} before listening")
 
 
 @dataclass
@@ -114,6 +138,21 @@ def jobs(tmp_path: Path) -> Iterator:
         if job.process.poll() is None:
             job.process.kill()
             job.process.wait()
+
+
+def run_status(server, session: str, run: str):
+    """A run's row of the public report (None while the session or the run does not exist)."""
+    try:
+        report = server.report_proto(session)
+    except KeyError:
+        return None
+    return next((r for r in report.runs if r.name == run), None)
+
+
+def last_step(server, session: str, run: str) -> int:
+    """The last step the server holds of a run (-1: none yet), from the public report."""
+    status = run_status(server, session, run)
+    return status.last_step if status is not None else -1
 
 
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.05):

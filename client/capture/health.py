@@ -18,6 +18,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from twinstep import phases
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep")
@@ -69,9 +70,9 @@ class CaptureHealth:
                 entry.count += 1
                 entry.last_step = max(entry.last_step, step)
             self._changed = True
-        self._warn_once(pb.Phase.Name(phase).lower(), error,
+        self._warn_once(phases.describe(phase), error,
                         "twinstep: could not capture %s records (first: %r at step %d: %s); training continues, "
-                        "the server's report counts every such record", pb.Phase.Name(phase).lower(),
+                        "the server's report counts every such record", phases.describe(phase),
                         name or "(model)", step, describe_error(error))
 
     def record_step_failure(self, step: int, error: BaseException) -> None:

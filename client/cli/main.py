@@ -13,7 +13,7 @@ import time
 import grpc
 
 from twinstep._version import __version__
-from twinstep.report import render_text, report_schema, report_to_dict
+from twinstep.server.report.render import render_text, report_schema, report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 

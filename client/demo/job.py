@@ -28,7 +28,7 @@ WEIGHT_DECAY = 0.01
 class TorchTrainer:
     """Torch model, optional DDP wrapper and AdamW; imports torch only when a torch job runs."""
 
-    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int) -> None:
+    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int, dist_init: str = "env://") -> None:
         import torch
 
         from .model_torch import build_model
@@ -40,8 +40,9 @@ class TorchTrainer:
         self.model: Any = self.inner
         self.distributed = world_size > 1
         if self.distributed:
-            # MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE come from the environment (env:// init).
-            torch.distributed.init_process_group(backend="gloo")
+            # RANK/WORLD_SIZE come from the environment; the rendezvous from dist_init (env://: MASTER_ADDR/PORT).
+            torch.distributed.init_process_group(backend="gloo", init_method=dist_init,
+                                                 rank=int(os.environ["RANK"]), world_size=world_size)
             self.model = torch.nn.parallel.DistributedDataParallel(self.inner)
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
@@ -69,7 +70,7 @@ class TorchTrainer:
 class PaddleTrainer:
     """Paddle model and AdamW; imports paddle only when a paddle job runs."""
 
-    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int) -> None:
+    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int, dist_init: str = "env://") -> None:
         if world_size > 1:
             raise SystemExit("twinstep demo: multi-rank training is only implemented for --framework torch")
         # OpenMP reads this at import time; one thread keeps two jobs light on a small box.
@@ -148,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train N steps before attaching, then attach with start_step=N (a run that joins late)")
     p.add_argument("--max-queue-steps", type=int, default=256, metavar="N",
                    help="steps held while the server is behind or away (twinstep.attach's max_queue_steps)")
+    p.add_argument("--dist-init", default="env://", metavar="URL",
+                   help="torch.distributed rendezvous for multi-rank runs (env://, or file:///path shared by the ranks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
     return p.parse_args(argv)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = spec.ModelConfig(seed=args.seed, tanh_gelu_layers=(1,) if args.bug == "gelu_tanh" else ())
     lr = BUGGY_LR if args.bug == "lr" else LR
 
-    trainer = (TorchTrainer if args.framework == "torch" else PaddleTrainer)(cfg, lr, world_size)
+    trainer = (TorchTrainer if args.framework == "torch" else PaddleTrainer)(cfg, lr, world_size, args.dist_init)
     losses: list[float] = []
     for step in range(min(args.start_step, args.steps)):  # before attaching: no twinstep at all
         ids, tgt = spec.batch(step, rank, cfg)

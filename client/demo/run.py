@@ -14,7 +14,7 @@ import tempfile
 import threading
 
 from twinstep.cli.main import format_event
-from twinstep.report import render_text
+from twinstep.server.report.render import render_text
 from twinstep.server import serve
 from twinstep.server.memory import retain_freed_memory
 

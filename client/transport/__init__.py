@@ -1,11 +1,15 @@
 """Transport: everything that leaves the training thread goes through here.
 
+A :class:`Sender` (``base.py``, the contract) carries steps to the server:
 ``StreamClient`` owns a bounded outbox and one background worker that keeps a
-gRPC stream to the comparison server open, reconnecting as needed.  Capture
-code never imports this package's grpc parts; the monitor hands it plain
-``StepBatch`` objects.
+gRPC stream to the comparison server open, reconnecting as needed;
+``SidecarClient`` hands steps to a sender process that runs one.  Both keep
+their drops in a ``DropLedger``.  Capture code never imports this package's
+grpc parts; the monitor hands it plain ``StepBatch`` objects.
 """
 
-from twinstep.transport.stream import ClientStats, StreamClient, StreamConfig
+from twinstep.transport.base import ClientStats, Sender
+from twinstep.transport.ledger import DropLedger
+from twinstep.transport.stream import StreamClient, StreamConfig
 
-__all__ = ["ClientStats", "StreamClient", "StreamConfig"]
+__all__ = ["ClientStats", "DropLedger", "Sender", "StreamClient", "StreamConfig"]

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping
 import numpy as np
 import zstandard
 
-from twinstep import codec
+from twinstep import codec, phases
 from twinstep.capture.buffers import HostTensor
 from twinstep.capture.recorder import StepBatch
 from twinstep.stats import DEVICE_FIELDS
@@ -39,15 +39,13 @@ _PIECE_DATA = (15 << 3) | 2  # TensorPiece.data, length-delimited
 
 
 def step_message(batch: StepBatch, rank: int, dropped: dict[str, int], tensor_pieces: int = 0) -> pb.ClientMessage:
-    """The StepRecords of one batch; statistics columns absent from the batch (m2 of an older backend) are not sent.
+    """The StepRecords of one batch.
 
     ``tensor_pieces``: how many TensorPiece messages of this step went out just before it.
     """
     stats = batch.device_stats
     columns = {
-        name: (stats[:, i].astype("int64") if name in _COUNTS else stats[:, i]).tolist()
-        for name, i in _COLUMN.items()
-        if i < stats.shape[1]
+        name: (stats[:, i].astype("int64") if name in _COUNTS else stats[:, i]).tolist() for name, i in _COLUMN.items()
     }
     message = pb.StepRecords(
         rank=rank,
@@ -169,7 +167,7 @@ def _error_bound(batch: StepBatch, records: list[int], dtype: str, lossy: Mappin
     """
     bounds = []
     for rec in records:
-        budget = lossy.get(pb.Phase.Name(int(batch.phase[rec])).lower())
+        budget = lossy.get(phases.describe(int(batch.phase[rec])))
         if budget is None or dtype not in _LOSSY_DTYPES:
             return 0.0
         row = batch.device_stats[rec]
@@ -177,6 +175,6 @@ def _error_bound(batch: StepBatch, records: list[int], dtype: str, lossy: Mappin
         if finite <= 0:
             return 0.0
         rms = math.sqrt(max(float(row[_COLUMN["sum_sq"]]), 0.0) / float(finite))
-        bounds.append(min(budget.rms_fraction * rms, budget.absolute))
+        bounds.append(codec.error_bound(rms, budget.rms_fraction, budget.absolute))
     bound = min(bounds)
     return bound if math.isfinite(bound) and bound > 0 else 0.0

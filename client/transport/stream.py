@@ -12,19 +12,17 @@ what the broken stream may have lost and the server skips what it already has.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
-import time
-import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
 
-from twinstep.capture.health import MissingSteps
 from twinstep.capture.recorder import StepBatch
+from twinstep.transport.base import POLL_SECONDS, ClientStats, Sender
+from twinstep.transport.ledger import DropLedger, at_fork_in_child
 from twinstep.transport.messages import COMPRESSIONS, DEFAULT_PIECE_BYTES, TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -42,7 +40,8 @@ _FATAL_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
-_POLL_SECONDS = 0.2
+# A server bug (INTERNAL) while it took a step: that step is dropped rather than resent forever.
+_SERVER_ERROR_CODES = frozenset({grpc.StatusCode.INTERNAL})
 _STREAM_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Twinstep'].full_name}/Stream"
 
 
@@ -105,23 +104,11 @@ class StreamConfig:
             raise ValueError(f"piece_bytes must be between 1024 and half of max_message_bytes, got {self.piece_bytes}")
 
 
-@dataclass
-class ClientStats:
-    """Counters of one stream client (read them from any thread)."""
+class StreamClient(Sender):
+    """The thread sender: owns the outbox and the worker thread of one training process.
 
-    dropped: dict[str, int] = field(default_factory=dict)
-    steps_sent: int = 0
-    tensor_bytes: int = 0
-    """Storage bytes of the full tensors encoded (tensor and lossy modes)."""
-    tensor_wire_bytes: int = 0
-    """Bytes those tensors took on the wire, after compression or quantisation."""
-    reconnects: int = 0
-    connected: bool = False
-    rejected: str = ""
-
-
-class StreamClient:
-    """Owns the outbox and the worker thread of one training process."""
+    Also the sender process's client (:mod:`twinstep.transport.sidecar_main`).
+    """
 
     def __init__(
         self,
@@ -134,15 +121,14 @@ class StreamClient:
         self._config = config
         self._on_command = on_command
         self._current_step = current_step
-        self.stats = ClientStats()
+        self._ledger = DropLedger()
+        self._warn_once = self._ledger.warn
+        self.stats = ClientStats(self._ledger)
         self._modules: list[pb.ModuleInfo] = []
         self._parameters: list[pb.ParameterInfo] = []
         self._init_state()
-        self._warned: set[str] = set()
         self._encoder = TensorEncoder(config.compression, config.piece_bytes)
-        if hasattr(os, "register_at_fork"):
-            method = weakref.WeakMethod(self._after_fork_in_child)
-            os.register_at_fork(after_in_child=lambda: (m := method()) is not None and m())
+        at_fork_in_child(self._after_fork_in_child)
 
     def _init_state(self) -> None:
         self._cond = threading.Condition()
@@ -152,8 +138,7 @@ class StreamClient:
         self._control: deque[pb.ClientMessage] = deque()
         self._manifest_sent = (0, 0)
         self._health: pb.CaptureHealth | None = None  # the latest capture-health snapshot (cumulative)
-        self._missing = MissingSteps()  # steps not delivered, with their reasons (sent with the health)
-        self._health_sent = True  # False: the server has not seen the latest snapshot on this stream
+        self._health_pending = False  # the server has not seen the latest snapshot on this stream
         self._credit = -1  # highest step we may send; -1 until the server welcomes us
         self._welcomed = False
         # The server's error budgets per phase for capture="lossy" (Welcome.lossy).
@@ -167,11 +152,14 @@ class StreamClient:
         self._worker: threading.Thread | None = None
         self._call: grpc.Future | None = None
         self._forked_child = False
+        # The step on the wire when the server failed with INTERNAL: dropped if the server does not have it.
+        self._server_error: tuple[int, str] | None = None
 
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a data-loader worker) must not share the parent's
         # lock, queue or connection; it gets an inert client of its own.
         self._init_state()
+        self._ledger.after_fork()
         self._forked_child = True
         self._closing = True
         self._stopped.set()
@@ -182,14 +170,8 @@ class StreamClient:
         with self._cond:
             return len(self._steps)
 
-    @property
-    def credit(self) -> int:
-        """The highest step the server lets this run send (-1 until welcomed)."""
-        return self._credit
-
-    @property
-    def welcomed(self) -> bool:
-        return self._welcomed
+    def _gone(self) -> bool:
+        return self._stopped.is_set()
 
     # -- training thread ----------------------------------------------------
 
@@ -211,10 +193,10 @@ class StreamClient:
         """Queue a step for sending; O(1) unless old steps must be dropped. Never blocks."""
         with self._cond:
             if self.stats.rejected:
-                self._drop("server_rejected", batch.step)
+                self._ledger.drop("server_rejected", batch.step)
                 return False
             if self._closing or self._stopped.is_set():
-                self._drop("forked_child" if self._forked_child else "already_shutdown", batch.step)
+                self._ledger.drop("forked_child" if self._forked_child else "already_shutdown", batch.step)
                 return False
             self._steps.append(batch)
             self._bytes += batch.nbytes
@@ -227,42 +209,25 @@ class StreamClient:
                 if self._sent > 0:
                     self._sent -= 1  # already on the wire, only its acknowledgement is lost
                 else:
-                    self._drop("queue_full", old.step)
+                    self._ledger.drop("queue_full", old.step)
             self._cond.notify_all()
         return True
-
-    def wait_for_credit(self, step: int, timeout: float, interrupted: Callable[[], bool]) -> bool:
-        """Block until the server lets this run reach ``step`` (lockstep); False on timeout.
-
-        Returns at once while disconnected: lockstep never turns a dead server
-        into a hung training.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._credit < step and self._welcomed and not interrupted() and not self._stopped.is_set():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, _POLL_SECONDS))
-        return True
-
-    def send_control(self, message: pb.ClientMessage) -> None:
-        with self._cond:
-            self._control.append(message)
-            self._cond.notify_all()
 
     def send_health(self, health: pb.CaptureHealth) -> None:
-        """Tell the server what could not be captured (cumulative; only the latest is kept and sent)."""
         with self._cond:
             self._health = health
-            self._health_sent = False
+            self._health_pending = True
             self._cond.notify_all()
 
-    def mark_missing(self, step: int, reason: str, detail: str = "") -> None:
-        """A step this process will not deliver (its capture failed, say): the server is told which and why."""
+    def mark_missing(self, step: int, reason: str, detail: str = "", *, dropped: bool = False) -> None:
+        """As Sender's; ``dropped``: the sender process's training side dropped (and counted) it."""
+        self._ledger.mark_missing(step, reason, detail, dropped=dropped)
         with self._cond:
-            self._missing.add(step, reason, detail)
-            self._health_sent = False
+            self._cond.notify_all()
+
+    def _send_control(self, message: pb.ClientMessage) -> None:
+        with self._cond:
+            self._control.append(message)
             self._cond.notify_all()
 
     def _health_message(self) -> pb.ClientMessage:
@@ -270,10 +235,7 @@ class StreamClient:
         health = pb.CaptureHealth()
         if self._health is not None:
             health.CopyFrom(self._health)
-        del health.missing[:]
-        self._missing.fill(health)
-        health.dropped.clear()
-        health.dropped.update({k: v for k, v in self.stats.dropped.items() if v})
+        self._ledger.report(health)
         return pb.ClientMessage(health=health)
 
     def close(self, reason: str, last_step: int, timeout: float) -> None:
@@ -283,7 +245,7 @@ class StreamClient:
                 return
             self._closing = True
             self._close_message = pb.ClientMessage(
-                close=pb.Close(reason=reason, last_step=last_step, dropped=self.stats.dropped)
+                close=pb.Close(reason=reason, last_step=last_step, dropped=self._ledger.reported_counts())
             )
             worker = self._worker
             self._cond.notify_all()
@@ -294,7 +256,7 @@ class StreamClient:
         with self._cond:
             call = self._call
             for batch in list(self._steps)[max(self._sent, 0):]:
-                self._drop("shutdown", batch.step)
+                self._ledger.drop("shutdown", batch.step)
             self._steps.clear()
             self._cond.notify_all()
         if call is not None:
@@ -339,15 +301,17 @@ class StreamClient:
                     return
                 if self._finished.is_set() or (self._closing and self._stopped.is_set()):
                     return
-                self._warn_once(
-                    "unreachable",
-                    "twinstep: lost contact with the comparison server at %s (%s: %s); training continues, "
-                    "up to %d steps are kept and older ones dropped; reconnecting in the background",
-                    self._config.target,
-                    code.name,
-                    details,
-                    self._config.max_queue_steps,
-                )
+                # A server failure on a step is warned with the step's name; then reconnect as for a lost server.
+                if not (code in _SERVER_ERROR_CODES and self._suspect(f"{code.name}: {details}")):
+                    self._warn_once(
+                        "unreachable",
+                        "twinstep: lost contact with the comparison server at %s (%s: %s); training continues, "
+                        "up to %d steps are kept and older ones dropped; reconnecting in the background",
+                        self._config.target,
+                        code.name,
+                        details,
+                        self._config.max_queue_steps,
+                    )
             except Exception:  # a bug here must not take the training down
                 logger.exception("twinstep: sender failed; reconnecting")
             finally:
@@ -358,7 +322,8 @@ class StreamClient:
                     self._credit = -1
                     self._sent = 0
                     self._manifest_sent = (0, 0)
-                    self._health_sent = self._health is None and not self._missing.listed  # told again
+                    self._health_pending = self._health is not None  # told again, with the missing steps
+                    self._ledger.resend()
                     self.stats.connected = False
                     self._cond.notify_all()
             if self._closing:
@@ -381,10 +346,10 @@ class StreamClient:
                 self._lossy = dict(response.welcome.lossy)
                 self._max_step_tensor_bytes = response.welcome.max_step_tensor_bytes
                 self._ack(last)
+                self._drop_server_error()
                 self._cond.notify_all()
-            if "unreachable" in self._warned:
+            if self._warn_once.forget("unreachable"):
                 logger.warning("twinstep: reconnected to %s", self._config.target)
-                self._warned.discard("unreachable")
             return True
         if kind == "credit":
             with self._cond:
@@ -396,7 +361,7 @@ class StreamClient:
             command = response.command
             if command.kind == pb.Command.HALT_PREPARE:
                 ack = pb.HaltAck(request_id=command.request_id, current_step=self._current_step())
-                self.send_control(pb.ClientMessage(halt_ack=ack))
+                self._send_control(pb.ClientMessage(halt_ack=ack))
             self._on_command(command)
             with self._cond:
                 self._cond.notify_all()
@@ -421,9 +386,7 @@ class StreamClient:
                 if message is None and batch is None:
                     return
             if batch is not None:
-                with self._cond:
-                    dropped = dict(self.stats.dropped)
-                message = step_message(batch, self._hello.rank, dropped)
+                message = step_message(batch, self._hello.rank, self._ledger.reported_counts())
                 # Checked before any piece goes out: pieces not followed by their records would break the stream.
                 size = message.ByteSize() + 16
                 if size > self._config.max_message_bytes:
@@ -435,12 +398,10 @@ class StreamClient:
                         size,
                         self._config.max_message_bytes,
                     )
-                    with self._cond:
-                        self._drop("oversized", batch.step)
+                    self._ledger.drop("oversized", batch.step)
                     continue
                 if self._too_big_for_server(batch):
-                    with self._cond:
-                        self._drop("oversized", batch.step)
+                    self._ledger.drop("oversized", batch.step)
                     continue
                 pieces = 0
                 for piece in self._tensor_pieces(batch):
@@ -510,8 +471,8 @@ class StreamClient:
                         modules=self._modules[sent_modules:], parameters=self._parameters[sent_params:]
                     )
                     return pb.ClientMessage(manifest=manifest), None
-                if not self._health_sent:
-                    self._health_sent = True
+                if self._health_pending or self._ledger.unreported:
+                    self._health_pending = False
                     return self._health_message(), None
                 if self._sent < len(self._steps):
                     batch = self._steps[self._sent]
@@ -522,22 +483,38 @@ class StreamClient:
                 elif self._closing and self._close_message is not None:
                     message, self._close_message = self._close_message, None
                     return message, None
-            self._cond.wait(_POLL_SECONDS)
+            self._cond.wait(POLL_SECONDS)
 
     # -- bookkeeping ----------------------------------------------------------
 
-    def _drop(self, reason: str, step: int | None = None) -> None:
-        """Count a step not delivered (caller holds the lock); the server hears which and why."""
-        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-        if step is not None:
-            self._missing.add(step, reason)
-            self._health_sent = False
-        if reason not in ("shutdown", "forked_child", "server_rejected"):  # those are said elsewhere
-            self._warn_once(
-                "drop:" + reason,
-                "twinstep: dropping steps (%s); counted in the report, warned once",
-                reason,
-            )
+    def _suspect(self, why: str) -> bool:
+        """The server failed (INTERNAL) with steps on the wire: the first it lacks is the one it failed on.
+
+        Remembered here and dropped once a Welcome says what the server holds
+        (it takes steps in order), so a step that trips a server bug is not
+        resent forever.  False when no step was on the wire.
+        """
+        with self._cond:
+            if self._sent <= 0 or not self._steps:
+                return False
+            step = self._steps[0].step
+            self._server_error = (step, why)
+        self._warn_once("server_error", "twinstep: the comparison server failed while taking step %d (%s); "
+                        "steps it fails on are dropped and counted, training continues", step, why)
+        return True
+
+    def _drop_server_error(self) -> None:
+        """After a Welcome's acknowledgement: drop the step the server failed on, if it still lacks it.
+
+        Caller holds the lock.
+        """
+        if self._server_error is None:
+            return
+        (step, why), self._server_error = self._server_error, None
+        if self._steps and self._steps[0].step == step:
+            old = self._steps.popleft()
+            self._bytes -= old.nbytes
+            self._ledger.drop("server_error", step, detail=why)
 
     def _reject(self, why: str) -> None:
         with self._cond:
@@ -546,15 +523,10 @@ class StreamClient:
             self._steps.clear()
             self._sent = 0
             for batch in unsent:
-                self._drop("server_rejected", batch.step)
+                self._ledger.drop("server_rejected", batch.step)
             self._stopped.set()
             self._cond.notify_all()
         logger.error("twinstep: the comparison server refused this run (%s); capture stops, training continues", why)
-
-    def _warn_once(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message, *args, exc_info=exc_info)
 
 
 def _log_event(event: pb.Event) -> None:

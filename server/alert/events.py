@@ -10,10 +10,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 
 from twinstep.v1 import twinstep_pb2 as pb
 
 _WATCHER_QUEUE = 1024
+#: Kept events replayed to a watcher who comes later: every divergence and halt (a few per run)
+#: up to the first bound, the latest alerts up to the second.  Older ones are forgotten.
+MAX_KEPT_VERDICTS = 128
+MAX_KEPT_ALERTS = 384
 
 
 class EventBus:
@@ -21,13 +26,23 @@ class EventBus:
         self._session = session
         self._lock = threading.Lock()
         self._watchers: set[queue.Queue[pb.Event | None]] = set()
-        self.history: list[pb.Event] = []  # divergences, alerts and halts, replayed to late watchers
+        self._verdicts: deque[pb.Event] = deque(maxlen=MAX_KEPT_VERDICTS)
+        self._alerts: deque[pb.Event] = deque(maxlen=MAX_KEPT_ALERTS)
+
+    @property
+    def history(self) -> list[pb.Event]:
+        """The kept events, oldest first: divergences, halts and alerts, bounded."""
+        with self._lock:
+            return self._history_locked()
+
+    def _history_locked(self) -> list[pb.Event]:
+        return sorted([*self._verdicts, *self._alerts], key=lambda event: event.time)
 
     def subscribe(self) -> "queue.Queue[pb.Event | None]":
         q: queue.Queue[pb.Event | None] = queue.Queue(maxsize=_WATCHER_QUEUE)
-        with self._lock:
+        with self._lock:  # replay and join at once: no event falls between the two
             self._watchers.add(q)
-            for event in self.history[-_WATCHER_QUEUE // 2 :]:
+            for event in self._history_locked():
                 q.put_nowait(event)
         return q
 
@@ -40,7 +55,7 @@ class EventBus:
         event.session = self._session
         with self._lock:
             if keep:
-                self.history.append(event)
+                (self._alerts if event.WhichOneof("body") == "alert" else self._verdicts).append(event)
             watchers = list(self._watchers)
         for q in watchers:  # outside the lock: never hold it across a send
             try:

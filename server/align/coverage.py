@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from twinstep import phases
 from twinstep.server.align.step_ranges import StepRanges
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -98,7 +99,7 @@ class CoverageLedger:
         coverage.delivered.add(step)
         if incomplete:
             if len(coverage.incomplete) < MAX_INCOMPLETE_STEPS:
-                coverage.incomplete[step] = {pb.Phase.Name(p).lower() for p in incomplete}
+                coverage.incomplete[step] = {phases.describe(p) for p in incomplete}
             else:
                 coverage.incomplete_unlisted += 1
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from twinstep.server.compare.records import StepData
+from twinstep.server.ingest.step import StepData
 
 
 @dataclass

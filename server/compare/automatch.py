@@ -15,7 +15,7 @@ import yaml
 
 from twinstep import stats
 from twinstep.server.compare import layout
-from twinstep.server.compare.records import StepData
+from twinstep.server.ingest.step import StepData
 from twinstep.v1 import twinstep_pb2 as pb
 
 _GAP = -1.0

@@ -13,18 +13,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from twinstep import codec, stats
+from twinstep import codec, phases, stats
 from twinstep.server.compare import layout, metrics, sketch
+from twinstep.server.compare.join import Pair, RecordLabel, group_name
 from twinstep.server.compare.lossy import ELEMENTWISE
 from twinstep.server.compare.mapping import FusedRule, NameMapping
-from twinstep.server.compare.plan import Pair, PlanCache, build_plan, gather
-from twinstep.server.compare.records import PARAM_PHASES, PHASE_NAMES, StepData
+from twinstep.server.compare.plan import PlanCache, build_plan, gather
 from twinstep.server.compare.tolerance import METRICS, ToleranceConfig
+from twinstep.server.ingest.step import StepData
 
 if TYPE_CHECKING:
     from twinstep.server.detect.noise import NoiseBands
-from twinstep.v1 import twinstep_pb2 as pb
-
 
 
 @dataclass
@@ -57,8 +56,8 @@ class StepComparison:
     rank: int
     candidate_run: str
     rows: list[Row]  # in the baseline's record order: phase, then production order
-    unmatched_baseline: list[str] = field(default_factory=list)
-    unmatched_candidate: list[str] = field(default_factory=list)
+    unmatched_baseline: list[RecordLabel] = field(default_factory=list)
+    unmatched_candidate: list[RecordLabel] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     values: dict[str, np.ndarray] = field(default_factory=dict)
     """metric -> value per row (aligned with ``rows``), for noise bands and culprit analysis."""
@@ -84,23 +83,22 @@ class CompareContext:
     """Noise bands from a reference rerun: tolerances become multiples of them."""
     tf32: bool = False
     """Either run multiplies float32 matrices in TF32: float32 records get tf32 tolerances."""
-
-
-#: Join plans of every session of this server (twinstep.server.compare.plan).
-PLANS = PlanCache()
+    plans: PlanCache | None = None
+    """Join plans kept by whoever compares (a session holds one for all its steps); None plans every step afresh."""
 
 
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
     """Compare every joined record of one step: numpy over the step's statistics, a loop only over
     records with full tensors, sketches or fused parts; what does not change between steps is planned once."""
-    plan = PLANS.get(
-        (base.layout, cand.layout, id(ctx.mapping), id(ctx.tolerances), ctx.base_framework, ctx.cand_framework,
-         ctx.tf32),
-        (ctx.mapping, ctx.tolerances),
-        lambda: build_plan(base, cand, _join, mapping=ctx.mapping, tolerances=ctx.tolerances,
-                           base_framework=ctx.base_framework, cand_framework=ctx.cand_framework, tf32=ctx.tf32,
-                           group_name=_group_name),
-    )
+    def build():
+        return build_plan(base, cand, mapping=ctx.mapping, tolerances=ctx.tolerances,
+                          base_framework=ctx.base_framework, cand_framework=ctx.cand_framework, tf32=ctx.tf32)
+
+    if ctx.plans is None:
+        plan = build()
+    else:
+        key = (base.layout, cand.layout, ctx.base_framework, ctx.cand_framework, ctx.tf32)
+        plan = ctx.plans.get(key, ctx.mapping, ctx.tolerances, build)
     result = StepComparison(
         step=base.step,
         rank=base.rank,
@@ -128,7 +126,7 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
         try:
             fused = _fused_metrics(base, cand, base_group, cand_group, plan.fused_rules[base_group[0]], ctx)
         except codec.PayloadError as exc:
-            group = _group_name([base.names[x] for x in base_group])
+            group = group_name([base.names[x] for x in base_group])
             result.errors.append(f"step {base.step} rank {base.rank} {group!r}: {exc}")
             continue
         if fused is None:
@@ -230,13 +228,13 @@ def _fused_metrics(
     else:
         one, s, one_fw = base, base_group[0], ctx.base_framework
         many, parts, many_fw = cand, cand_group, ctx.cand_framework
-    if int(one.phase[s]) == pb.INPUT:
+    if int(one.phase[s]) == phases.INPUT:
         # Each part reads the fused module's whole input, not a piece of it (inputs carry no payload).
         return {} if all(layout.shapes_compatible(one.shapes[s], many.shapes[p], False) for p in parts) else None
     # The parts must hold the same elements as the fused module (merged statistics compare them).
     if sum(many.table["count"][parts]) != one.table["count"][s]:
         return None
-    if int(one.phase[s]) in PARAM_PHASES:
+    if int(one.phase[s]) in phases.PARAM_PHASES:
         single = (one_fw, one.types[s], one.names[s])
         flips = [layout.needs_transpose(single, (many_fw, many.types[p], many.names[p])) for p in parts]
         axis = -1 if layout.is_in_out(*single) else 0
@@ -261,79 +259,6 @@ def _fused_metrics(
     return metrics.from_tensors(*layout.align(a, b, False))
 
 
-def _join(
-    base: StepData, cand: StepData, mapping: NameMapping
-) -> tuple[list[Pair], dict[int, FusedRule], list[str], list[str]]:
-    """Match records: fused groups first, then names (after mapping); in the baseline's order.
-
-    Fused pairs' rules are keyed by the pair's first baseline record (each is in one pair only).
-    """
-    def key(data: StepData, i: int, name: str) -> tuple[int, str, int, int]:
-        return (int(data.phase[i]), name, int(data.call_index[i]), int(data.slot[i]))
-
-    base_index = {key(base, i, name): i for i, name in enumerate(base.names)}
-    pairs: list[Pair] = []
-    fused_rules: dict[int, FusedRule] = {}
-    used_base: set[int] = set()
-    used_cand: set[int] = set()
-    if mapping.fused:
-        cand_index = {key(cand, j, name): j for j, name in enumerate(cand.names)}
-        for side, data, index, used_single, used_parts in (
-            ("candidate", cand, base_index, used_cand, used_base),
-            ("baseline", base, cand_index, used_base, used_cand),
-        ):
-            for x, name in enumerate(data.names):
-                module, local = _split(int(data.phase[x]), name)
-                matched = mapping.fused_match(side, module)
-                if not matched:
-                    continue
-                rule, parts = matched
-                found = [index.get(key(data, x, part + local)) for part in parts]
-                if any(f is None or f in used_parts for f in found):
-                    continue
-                used_single.add(x)
-                used_parts.update(found)  # type: ignore[arg-type]
-                group = [f for f in found if f is not None]
-                pair = (group, [x]) if side == "candidate" else ([x], group)
-                pairs.append(pair)
-                fused_rules[pair[0][0]] = rule
-    unmatched_candidate: list[str] = []
-    for j, name in enumerate(cand.names):
-        if j in used_cand:
-            continue
-        i = base_index.get(key(cand, j, mapping.to_baseline(name)))
-        if i is None or i in used_base:
-            unmatched_candidate.append(_label(int(cand.phase[j]), name))
-            continue
-        used_base.add(i)
-        pairs.append(([i], [j]))
-    pairs.sort(key=lambda pair: pair[0][0])
-    unmatched_baseline = [_label(int(base.phase[i]), base.names[i]) for i in range(len(base)) if i not in used_base]
-    return pairs, fused_rules, unmatched_baseline, unmatched_candidate
-
-
-def _split(phase: int, name: str) -> tuple[str, str]:
-    """(module path, suffix): parameters follow their module through fused rules."""
-    if phase in PARAM_PHASES and "." in name:
-        module, local = name.rsplit(".", 1)
-        return module, "." + local
-    return name, ""
-
-
-def _group_name(names: list[str]) -> str:
-    """"a.b.{q,k,v}.weight" for parts that differ in one path component."""
-    if len(names) == 1:
-        return names[0]
-    split = [n.split(".") for n in names]
-    if len({len(s) for s in split}) == 1:
-        differing = [i for i in range(len(split[0])) if len({s[i] for s in split}) > 1]
-        if len(differing) == 1:
-            d = differing[0]
-            parts = split[0][:d] + ["{" + ",".join(s[d] for s in split) + "}"] + split[0][d + 1 :]
-            return ".".join(parts)
-    return "+".join(names)
-
-
 def _sketch_metrics(base: StepData, cand: StepData, sketched: list[tuple[int, int, int]],
                     values: dict[str, np.ndarray]) -> None:
     """rel_l2 and cosine gap estimated from both sides' sketches, as lower confidence bounds."""
@@ -354,9 +279,5 @@ def _any_lossy(data: StepData, group: list[int]) -> bool:
     return any(data.payloads[x].lossy for x in group if x in data.payloads)
 
 
-def _label(phase: int, name: str) -> str:
-    return f"{PHASE_NAMES.get(phase, '?')}:{name or '(model)'}"
-
-
-def _dedupe(items: list[str]) -> list[str]:
+def _dedupe(items: list[RecordLabel]) -> list[RecordLabel]:
     return list(dict.fromkeys(items))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 
 from twinstep import codec
-from twinstep.server.compare.tolerance import PHASES, ToleranceConfig
+from twinstep.phases import STEP_ORDER
+from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: Share of a tolerance that quantisation may use up (see twinstep.codec).
@@ -27,15 +28,13 @@ ELEMENTWISE = ("rel_l2", "cosine", "max_abs")
 def lossy_bounds(tolerances: ToleranceConfig) -> dict[str, pb.LossyBound]:
     """phase -> budget; phases whose tightest tolerance is 0 are left out (sent losslessly)."""
     out: dict[str, pb.LossyBound] = {}
-    for phase in PHASES:
+    for phase in STEP_ORDER:
         tightest = {m: tolerances.defaults.get(phase, {}).get(m, math.inf) for m in ELEMENTWISE}
         for override in tolerances.overrides:
             if override.phase in ("*", phase):
                 for m in ELEMENTWISE:
                     tightest[m] = min(tightest[m], override.metrics.get(m, math.inf))
-        fraction = min(codec.error_bound_for(1.0, tightest["rel_l2"], MARGIN),
-                       codec.error_bound_for_cosine(1.0, tightest["cosine"], MARGIN))
-        absolute = codec.error_bound_for_max_abs(tightest["max_abs"], MARGIN)
+        fraction, absolute = codec.lossy_budget(tightest, MARGIN)
         if fraction > 0 and absolute > 0:
             out[phase] = pb.LossyBound(rms_fraction=fraction, absolute=absolute)
     return out

@@ -36,6 +36,7 @@ through their module path, so ``exact: {mlp.linear_fc1: mlp.up_proj}`` also maps
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,15 +74,7 @@ class NameMapping:
         """A copy that knows the candidate's module classes (for layer_mapping rules)."""
         if not self.layer_mapping:
             return self
-        return NameMapping(
-            exact=self.exact, prefix=self.prefix, regex=self.regex, fused=self.fused,
-            layer_mapping=self.layer_mapping, candidate_types=dict(candidate_types), permuted=self.permuted,
-        )
-
-    def fused_parts(self, side: str, module_name: str) -> list[str] | None:
-        """Names on the other side that together match ``module_name`` of ``side``, if a rule says so."""
-        found = self.fused_match(side, module_name)
-        return found[1] if found else None
+        return dataclasses.replace(self, candidate_types=dict(candidate_types))  # every other rule as it is
 
     def fused_match(self, side: str, module_name: str) -> tuple["FusedRule", list[str]] | None:
         """The fused rule for ``module_name`` of ``side`` and its parts' names: the rule says how to combine them."""

@@ -11,22 +11,22 @@ tensors or sketches.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from twinstep import phases
 from twinstep.server.compare import layout
+from twinstep.server.compare.join import Pair, RecordLabel, group_name, join
 from twinstep.server.compare.mapping import FusedRule, NameMapping
-from twinstep.server.compare.records import PARAM_PHASES, PHASE_NAMES, StepData
 from twinstep.server.compare.tolerance import METRICS, PRECISION_ORDER, ToleranceConfig, effective_dtype
+from twinstep.server.ingest.step import StepData
 
 #: Plans kept (most recently used); a session needs one per candidate run and rank.
 MAX_PLANS = 256
 
-Pair = tuple[list[int], list[int]]
 Key = tuple[str, str, int, int]
 
 
@@ -36,8 +36,8 @@ class JoinPlan:
 
     pairs: list[Pair]
     fused_rules: dict[int, FusedRule]
-    unmatched_baseline: list[str]
-    unmatched_candidate: list[str]
+    unmatched_baseline: list[RecordLabel]
+    unmatched_candidate: list[RecordLabel]
     base_index: np.ndarray
     """First baseline record of each pair."""
     gather_base: tuple[np.ndarray, np.ndarray | None]
@@ -62,28 +62,41 @@ class JoinPlan:
 
 
 class PlanCache:
-    """Bounded LRU of join plans, shared by the sessions of a server (thread-safe)."""
+    """Bounded LRU of join plans, held by whoever compares (a session: one per candidate run and rank).
+
+    A plan is for one pair of record layouts, frameworks and arithmetic, and
+    for the very mapping and tolerance objects it was planned with: those are
+    compared by identity (they are not hashable, and a new mapping is a new
+    object, never an old one changed), and held by the entry, so a plan is
+    never reused for other rules.  Used under its owner's lock.
+    """
 
     def __init__(self, size: int = MAX_PLANS) -> None:
         self._size = size
-        self._plans: OrderedDict[tuple, tuple[JoinPlan, tuple]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._plans: OrderedDict[tuple, list[tuple[NameMapping, ToleranceConfig, JoinPlan]]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: tuple, pins: tuple, build: Callable[[], JoinPlan]) -> JoinPlan:
-        """The plan for ``key``, built on a miss; ``pins`` are objects whose id is in the key (kept alive with it)."""
-        with self._lock:
-            found = self._plans.get(key)
-            if found is not None:
-                self._plans.move_to_end(key)
-                self.hits += 1
-                return found[0]
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._plans.values())
+
+    def get(self, key: tuple, mapping: NameMapping, tolerances: ToleranceConfig,
+            build: Callable[[], JoinPlan]) -> JoinPlan:
+        """The plan for ``key`` under ``mapping`` and ``tolerances``, built on a miss."""
+        entries = self._plans.get(key)
+        if entries is not None:
+            self._plans.move_to_end(key)
+            for known_mapping, known_tolerances, plan in entries:
+                if known_mapping is mapping and known_tolerances is tolerances:
+                    self.hits += 1
+                    return plan
         plan = build()
-        with self._lock:
-            self.misses += 1
-            self._plans[key] = (plan, pins)
-            while len(self._plans) > self._size:
+        self.misses += 1
+        self._plans.setdefault(key, []).append((mapping, tolerances, plan))
+        while len(self) > self._size:
+            oldest = next(iter(self._plans.values()))
+            oldest.pop(0)
+            if not oldest:
                 self._plans.popitem(last=False)
         return plan
 
@@ -91,20 +104,18 @@ class PlanCache:
 def build_plan(
     base: StepData,
     cand: StepData,
-    join: Callable[[StepData, StepData, NameMapping], tuple[list[Pair], dict[int, FusedRule], list[str], list[str]]],
     *,
     mapping: NameMapping,
     tolerances: ToleranceConfig,
     base_framework: str,
     cand_framework: str,
     tf32: bool,
-    group_name: Callable[[list[str]], str],
 ) -> JoinPlan:
     pairs, fused_rules, unmatched_baseline, unmatched_candidate = join(base, cand, mapping)
     n = len(pairs)
     base_index = np.fromiter((group[0] for group, _ in pairs), dtype=np.int64, count=n)
     names = [group_name([base.names[x] for x in group]) for group, _ in pairs]
-    keys = [(PHASE_NAMES[int(base.phase[i])], names[k], int(base.call_index[i]), int(base.slot[i]))
+    keys = [(phases.name(int(base.phase[i])), names[k], int(base.call_index[i]), int(base.slot[i]))
             for k, i in enumerate(base_index.tolist())]
     shape_mismatch = np.zeros(n)
     tensor_pairs: list[tuple[int, int, int, bool]] = []
@@ -113,7 +124,7 @@ def build_plan(
         if base_group[0] in fused_rules:
             continue
         i, j = base_group[0], cand_group[0]
-        transpose = int(base.phase[i]) in PARAM_PHASES and layout.needs_transpose(
+        transpose = int(base.phase[i]) in phases.PARAM_PHASES and layout.needs_transpose(
             (base_framework, base.types[i], base.names[i]), (cand_framework, cand.types[j], cand.names[j])
         )
         if not layout.shapes_compatible(base.shapes[i], cand.shapes[j], transpose):

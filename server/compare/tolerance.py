@@ -16,7 +16,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("forward", "loss", "backward", "grad", "param")
+from twinstep.phases import STEP_ORDER
+
 #: Metrics from statistics, then from full tensors, then estimated from sketches (their
 #: lower confidence bounds; judged by the tolerances of rel_l2 and cosine).  "shape" and
 #: "nonfinite" always have tolerance 0.
@@ -109,7 +110,7 @@ class Override:
     pattern: str
     """Glob over baseline names (module or parameter)."""
     phase: str = "*"
-    """One of PHASES or "*"."""
+    """One of twinstep.phases.STEP_ORDER or "*"."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -156,16 +157,16 @@ class ToleranceConfig:
         for key, value in data.items():
             if key == "overrides":
                 continue
-            if key not in PHASES:
-                raise ValueError(f"{where}.{key}: unknown phase (expected one of {', '.join(PHASES)}, overrides)")
+            if key not in STEP_ORDER:
+                raise ValueError(f"{where}.{key}: unknown phase (expected one of {', '.join(STEP_ORDER)}, overrides)")
             config.defaults[key].update(_metrics(value, f"{where}.{key}"))
         for i, rule in enumerate(data.get("overrides") or []):
             at = f"{where}.overrides[{i}]"
             if not isinstance(rule, dict) or "pattern" not in rule:
                 raise ValueError(f"{at} needs a pattern")
             phase = str(rule.get("phase", "*"))
-            if phase != "*" and phase not in PHASES:
-                raise ValueError(f"{at}.phase: {phase!r} is not one of {', '.join(PHASES)} or *")
+            if phase != "*" and phase not in STEP_ORDER:
+                raise ValueError(f"{at}.phase: {phase!r} is not one of {', '.join(STEP_ORDER)} or *")
             metrics = {k: v for k, v in rule.items() if k not in ("pattern", "phase")}
             config.overrides.append(Override(pattern=str(rule["pattern"]), phase=phase, metrics=_metrics(metrics, at)))
         return config

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Mapping, Protocol
 
+from twinstep import phases
 from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.align.step_ranges import StepRanges
 from twinstep.server.detect.gaps import MAX_LISTED_GAPS, Side, find_gaps
@@ -69,17 +70,17 @@ def describe_failure(health: pb.CaptureHealth, kind: str) -> str:
     entries = [f for f in health.failures if _error_type(f.error) == error_type]
     by_phase = Counter[str]()
     for f in entries:
-        by_phase[pb.Phase.Name(f.phase).lower()] += f.count
-    modules = {f.name for f in entries if f.phase in _MODULE_PHASES}
-    parameters = {f.name for f in entries if f.phase in (pb.GRAD, pb.PARAM)}
+        by_phase[phases.describe(f.phase)] += f.count
+    modules = {f.name for f in entries if f.phase in phases.MODULE_PHASES}
+    parameters = {f.name for f in entries if f.phase in phases.PARAM_PHASES}
     owners = " and ".join(part for part in (_count(len(modules), "module"), _count(len(parameters), "parameter"))
                           if part) or "the loss"
     labels = list(dict.fromkeys(_label(f) for f in entries))
     names = ", ".join(map(repr, labels[:3])) + (", ..." if len(labels) > 3 else "")
-    phases = ", ".join(f"{phase} {count}" for phase, count in by_phase.items())
+    counts = ", ".join(f"{phase} {count}" for phase, count in by_phase.items())
     first = min(f.first_step for f in entries)
     last = max(f.last_step for f in entries)
-    return (f"{sum(by_phase.values())} record(s) of {owners} not captured ({phases}; {names}; "
+    return (f"{sum(by_phase.values())} record(s) of {owners} not captured ({counts}; {names}; "
             f"{_span(first, last)}): {entries[0].error}")
 
 
@@ -185,15 +186,13 @@ def _run_problems(run: RunView) -> list[str]:
     return out
 
 
-_MODULE_PHASES = (pb.FORWARD, pb.BACKWARD, pb.INPUT)
-
 
 def _error_type(error: str) -> str:
     return error.split(":", 1)[0]
 
 
 def _label(failure: pb.CaptureFailure) -> str:
-    if failure.phase == pb.LOSS:
+    if failure.phase == phases.LOSS:
         return "loss"
     return failure.name or "(model)"
 

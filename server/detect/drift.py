@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from twinstep.server.compare.records import StepData
+from twinstep.server.ingest.step import StepData
 from twinstep.v1 import twinstep_pb2 as pb
 
 FIRST_LOSS_ABS, FIRST_LOSS_REL = 0.005, 0.005

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from twinstep.phases import step_position
 from twinstep.server.compare.comparator import Row, StepComparison
-from twinstep.server.compare.records import PHASE_NAMES
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.stage import describe
 from twinstep.v1 import twinstep_pb2 as pb
-
-_PHASE_ORDER = {name: i for i, name in enumerate(PHASE_NAMES.values())}
-
 
 @dataclass
 class Candidate:
@@ -74,7 +71,7 @@ class FirstDivergenceTracker:
         if row is None or comparison.candidate_run in self.declared:
             return
         position = comparison.rows.index(row)
-        key = (comparison.step, _PHASE_ORDER[row.phase], position, comparison.rank)
+        key = (comparison.step, step_position(row.phase), position, comparison.rank)
         best = self._best.get(comparison.candidate_run)
         if best is None or key < best.key:
             previous = self._param_headroom.get(comparison.candidate_run, {}).get(comparison.step - 1)

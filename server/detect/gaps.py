@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from twinstep.phases import step_position
 from twinstep.server.align.coverage import CoverageLedger, RankCoverage
 from twinstep.server.align.step_ranges import StepRanges
-from twinstep.server.compare.tolerance import PHASES as PHASE_ORDER
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: Steps looked at one by one in one call, at most (each uncompared step costs a few dict look-ups).
@@ -128,15 +128,14 @@ def _cause(side: Side, step: int) -> tuple[str, str, str] | None:
 def _phase_gaps(baseline: Side, candidate: Side, rank: int, compared: StepRanges, last_step: int,
                 phase: str | None) -> Iterable[pb.Gap]:
     """Compared steps with records missing in some phase, up to (step, phase); consecutive steps merged."""
-    limit = PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
+    limit = step_position(phase or "")
     for side in (candidate, baseline):
         open_gaps: dict[str, pb.Gap] = {}
         for step, phases in sorted(side.coverage.incomplete.items()):
             if step > last_step or step not in compared:
                 continue
             for name in phases:
-                if step == last_step and phase is not None and (name not in PHASE_ORDER
-                                                                or PHASE_ORDER.index(name) >= limit):
+                if step == last_step and phase is not None and step_position(name) >= limit:
                     continue
                 gap = open_gaps.get(name)
                 if gap is not None and gap.last_step == step - 1:

@@ -5,46 +5,39 @@ from __future__ import annotations
 from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.detect.culprit import explain, growth_factors
-from twinstep.server.session import Session
+from twinstep.server.report.snapshot import SessionSnapshot
 from twinstep.v1 import twinstep_pb2 as pb
 
 _MAX_ROWS = 60
 
 
-def build_report(session: Session) -> pb.Report:
-    with session.lock:
-        first = session.tracker.first()
-        status, reasons = session.status_and_reasons()
-        report = pb.Report(
-            session=session.name,
-            status=status,
-            status_reasons=reasons,
-            halted=session.halted,
-            runs=session.run_status(),
-            steps_compared=session.steps_compared(),
-            unmatched_baseline=list(session.unmatched_baseline),
-            unmatched_candidate=list(session.unmatched_candidate),
-            errors=list(session.errors),
-        )
-        if first is not None:
-            row, comparison = first.row, first.comparison
-            report.first_divergence.CopyFrom(first.to_proto())
-            report.stage = report.first_divergence.stage
-            report.culprit = explain(row, comparison)
-            report.tree.extend(_tree_rows(comparison, row))
-        elif session.last_comparison is not None:
-            report.tree.extend(_tree_rows(session.last_comparison, None))
-        proposals = [session.auto_mappings[run] for run in session.candidates if session.auto_mappings.get(run)]
-        if proposals:
-            report.proposed_mapping = automatch.to_yaml(proposals[0])
-        for run in session.candidates:
-            coverage = session.coverage_of(run)
-            report.coverage.append(coverage)
-            summary = session.long_run.summary(run, next(iter(session.references), None), session.config.noise_multiple)
-            if summary is not None:
-                summary.coverage = coverage.summary
-                report.long_run.append(summary)
-            report.headroom.extend(session.headroom.to_proto(run))
+def build_report(snapshot: SessionSnapshot) -> pb.Report:
+    """The Report of a session, from its snapshot (see Session.snapshot)."""
+    report = pb.Report(
+        session=snapshot.name,
+        status=snapshot.status,
+        status_reasons=snapshot.status_reasons,
+        halted=snapshot.halted,
+        runs=snapshot.runs,
+        steps_compared=snapshot.steps_compared,
+        unmatched_baseline=snapshot.unmatched_baseline,
+        unmatched_candidate=snapshot.unmatched_candidate,
+        errors=snapshot.errors,
+        coverage=snapshot.coverage,
+        long_run=snapshot.long_run,
+        headroom=snapshot.headroom,
+    )
+    first = snapshot.first
+    if first is not None:
+        row, comparison = first.row, first.comparison
+        report.first_divergence.CopyFrom(first.to_proto())
+        report.stage = report.first_divergence.stage
+        report.culprit = explain(row, comparison)
+        report.tree.extend(_tree_rows(comparison, row))
+    elif snapshot.last_comparison is not None:
+        report.tree.extend(_tree_rows(snapshot.last_comparison, None))
+    if snapshot.proposed_mapping:
+        report.proposed_mapping = automatch.to_yaml(snapshot.proposed_mapping)
     return report
 
 

@@ -2,6 +2,7 @@
 
     python3 tests/envs/run.py                  every leg, each with its tests (below)
     python3 tests/envs/run.py --legs latest    some legs only
+    python3 tests/envs/run.py --tiers unit     some tiers only (unit, integration, ports)
     python3 tests/envs/run.py -- -x -k halt    extra pytest arguments for every leg
 
 Each leg is a virtual environment built by ``tests/envs/build.sh LEG`` from the
@@ -28,8 +29,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-#: Tests of the real-model test bed (Hugging Face transformers vs paddleformers).
-_PORTS = "tests/integration/test_ports.py"
+#: The tiers, each its own pytest run: unit (no process, no network beyond an in-process
+#: server; under a minute), integration (real jobs in real processes over loopback) and the
+#: real ports (Hugging Face transformers vs paddleformers).
+TIERS = {"unit": "tests/unit_tests", "integration": "tests/integration", "ports": "tests/ports"}
 
 
 @dataclass(frozen=True)
@@ -37,20 +40,22 @@ class Leg:
     name: str
     what: str
     """What the leg proves."""
-    pytest_args: tuple[str, ...]
-    """Which tests it runs (every leg runs the unit and integration tiers)."""
+    tiers: tuple[tuple[str, tuple[str, ...]], ...]
+    """(tier, extra pytest arguments selecting within it), in the order they run."""
 
+
+_ALL = (("unit", ()), ("integration", ()))
 
 #: In the order they run.  Why each runs what it runs: README, "Supported environments".
 LEGS = (
     Leg("latest", "numpy 2.x, torch 2.13, paddle 3.3.1, the real-port test bed (paddleformers without its pins)",
-        ("tests",)),
+        (*_ALL, ("ports", ()))),
     Leg("paddleformers", "paddleformers installed the ordinary way: numpy 1.26.4, real ports faithful and buggy",
         # Every model faithful, every bug of the corpus on Phi3: the same code paths as all 41, in 2/5 the time.
-        ("tests/unit_tests", "tests/integration", "-k", "not test_ports or faithful or phi3")),
+        (*_ALL, ("ports", ("-k", "faithful or phi3")))),
     Leg("oldest", "the lowest supported versions: Python 3.10, numpy 1.26.0, torch 2.4.1, paddle 3.0.0, grpcio 1.85.1",
-        ("tests/unit_tests", "tests/integration", "--ignore", _PORTS)),
-    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", ("tests/unit_tests", "tests/integration", "--ignore", _PORTS)),
+        _ALL),
+    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", _ALL),
 )
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
@@ -62,6 +67,8 @@ class Outcome:
     counts: dict[str, int] = field(default_factory=dict)
     build_seconds: float = 0.0
     test_seconds: float = 0.0
+    tiers: dict[str, float] = field(default_factory=dict)
+    """Seconds of each tier's pytest run."""
     problem: str = ""
 
 
@@ -86,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--legs", default=",".join(leg.name for leg in LEGS),
                         help="comma-separated legs (default: all): " + ", ".join(leg.name for leg in LEGS))
+    parser.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tiers (default: all): "
+                        + ", ".join(TIERS))
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every leg")
     args = parser.parse_args(argv)
+    tiers = args.tiers.split(",")
+    if set(tiers) - set(TIERS):
+        parser.error(f"unknown tier(s) {', '.join(sorted(set(tiers) - set(TIERS)))}")
     chosen = [leg for leg in LEGS if leg.name in args.legs.split(",")]
     unknown = set(args.legs.split(",")) - {leg.name for leg in LEGS}
     if unknown or not chosen:
@@ -123,18 +135,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== leg {leg.name}: {outcome.problem}\n{log[-4000:]}", flush=True)
             continue
         python = ROOT / ".venvs" / leg.name / "bin" / "python"
-        command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", *leg.pytest_args, *args.pytest_args]
-        print(f"== leg {leg.name}: {' '.join(command[1:])}", flush=True)
-        tests_started = time.monotonic()
-        result = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "TWINSTEP_TEST_LEG": leg.name})
-        outcome.test_seconds = time.monotonic() - tests_started
-        sys.stdout.write(result.stdout)
-        outcome.counts = _counts(result.stdout)
-        if result.returncode not in (0, 5) and not outcome.counts.get("failed") and not outcome.counts.get("errors"):
-            outcome.problem = f"pytest exited {result.returncode}"
-        if not outcome.counts.get("passed"):
-            outcome.problem = outcome.problem or "no test ran"
+        for tier, selection in [(t, sel) for t, sel in leg.tiers if t in tiers]:
+            command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", TIERS[tier], *selection,
+                       *args.pytest_args]
+            print(f"== leg {leg.name}, tier {tier}: {' '.join(command[1:])}", flush=True)
+            tests_started = time.monotonic()
+            result = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, "TWINSTEP_TEST_LEG": leg.name})
+            seconds = time.monotonic() - tests_started
+            outcome.test_seconds += seconds
+            outcome.tiers[tier] = seconds
+            sys.stdout.write(result.stdout)
+            counts = _counts(result.stdout)
+            for key, value in counts.items():
+                outcome.counts[key] = outcome.counts.get(key, 0) + value
+            if result.returncode not in (0, 5) and not counts.get("failed") and not counts.get("errors"):
+                outcome.problem = outcome.problem or f"pytest exited {result.returncode} in tier {tier}"
+            if not counts.get("passed"):
+                outcome.problem = outcome.problem or f"no test ran in tier {tier}"
         start_next_build()
 
     print("\n== summary (seconds to build the leg, 0 when up to date / seconds of tests)", flush=True)
@@ -143,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in totals:
             totals[key] += outcome.counts.get(key, 0)
         shown = ", ".join(f"{n} {k}" for k, n in outcome.counts.items()) or "no tests"
-        print(f"  {outcome.leg:<14} {outcome.build_seconds:6.0f} {outcome.test_seconds:6.0f}  {shown}"
+        tiers = " ".join(f"{tier} {seconds:.0f}" for tier, seconds in outcome.tiers.items())
+        print(f"  {outcome.leg:<14} {outcome.build_seconds:6.0f} {outcome.test_seconds:6.0f}  ({tiers})  {shown}"
               + (f"  PROBLEM: {outcome.problem}" if outcome.problem else ""))
     print(f"  wall time {time.monotonic() - started:.0f} s")
     failed = totals["failed"] + totals["errors"]

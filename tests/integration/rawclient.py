@@ -79,11 +79,12 @@ def manifest(*modules: tuple[int, str, str]) -> pb.ClientMessage:
     return pb.ClientMessage(manifest=pb.Manifest(modules=[pb.ModuleInfo(id=i, name=n, type=t) for i, n, t in modules]))
 
 
-def step(number: int, records: list[tuple[int, np.ndarray]], *, rank: int = 0, payload: bool = False,
+def step(number: int, records: list[tuple[int, np.ndarray]], *, rank: int = 0,
          phase: int = pb.FORWARD) -> pb.ClientMessage:
-    """A StepRecords of FORWARD records (module id, values), statistics computed exactly."""
+    """A StepRecords of FORWARD records (module id, values), statistics computed exactly; no tensors
+    (``step_with_pieces`` sends them too)."""
     message = pb.StepRecords(rank=rank, step=number)
-    for index, (target, values) in enumerate(records):
+    for target, values in records:
         values = np.asarray(values, dtype=np.float32)
         table = stats.of_array(values)
         message.phase.append(phase)
@@ -95,9 +96,6 @@ def step(number: int, records: list[tuple[int, np.ndarray]], *, rank: int = 0, p
         message.dims.extend(values.shape)
         for name in stats.FIELDS:
             getattr(message.stats, name).append(table[name][0].item())
-        if payload:
-            kind, data, raw = codec.encode(values)
-            message.tensors.append(pb.TensorPayload(record=index, codec=kind, data=data, raw_nbytes=raw))
     return pb.ClientMessage(step=message)
 
 

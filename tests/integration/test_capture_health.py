@@ -14,7 +14,7 @@ import jsonschema
 
 from tests.conftest import wait_for
 from twinstep.cli.main import format_event
-from twinstep.report import render_text, report_schema
+from twinstep.server.report.render import render_text, report_schema
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 

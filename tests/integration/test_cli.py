@@ -8,20 +8,16 @@ import sys
 
 import jsonschema
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import serve_process
 
 CLI = [sys.executable, "-m", "twinstep"]
 
 
 def test_serve_report_and_watch(jobs, tmp_path):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     config = tmp_path / "server.yaml"
     config.write_text("halt_on_divergence: false\ntolerances:\n  forward: {mean: 1.0e-5}\n")
-    server = subprocess.Popen(CLI + ["serve", "--port", str(port), "--config", str(config)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, address = serve_process("--config", str(config))
     try:
-        wait_for(lambda: subprocess.run(CLI + ["report", "none", "--server", address], capture_output=True, text=True).returncode == 2)
         watch = subprocess.Popen(CLI + ["watch", "cli", "--server", address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         base = jobs("torch", server=address, session="cli", baseline=True, steps=4)
         cand = jobs("paddle", server=address, session="cli", bug="gelu_tanh", steps=4)

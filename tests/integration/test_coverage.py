@@ -10,7 +10,6 @@ that joins at step 5.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -19,9 +18,9 @@ import threading
 import jsonschema
 import pytest
 
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, serve_process, wait_for
 from tests.integration.test_capture_health import FAULTY, Watcher
-from twinstep.report import render_text, report_schema
+from twinstep.server.report.render import render_text, report_schema
 from twinstep.server.config import config_from_dict
 
 CAPTURE_FAILED = "capture failed: StepNotCaptured: every record failed; the first: AttributeError"
@@ -125,18 +124,6 @@ def test_a_candidate_that_joins_at_step_5(server, jobs):
                                                 "phase": None, "reason": "run 'paddle' started at step 5"}]
 
 
-def _serve_in_a_process():
-    """`twinstep serve` on a port it picks itself; returns (process, address)."""
-    process = subprocess.Popen([sys.executable, "-m", "twinstep", "serve", "--port", "0"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in process.stdout:
-        found = re.search(r"listening on (\S+)", line)
-        if found:
-            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep draining the log
-            return process, found.group(1)
-    raise AssertionError("the server did not start")
-
-
 class _Lines:
     """A job's output, read as it comes."""
 
@@ -153,7 +140,7 @@ class _Lines:
 
 
 def test_queue_that_overflows_while_the_server_is_paused(tmp_path):
-    server, address = _serve_in_a_process()
+    server, address = serve_process()
     try:
         server.send_signal(signal.SIGSTOP)  # alive, connected, answering nothing
         common = ["--server", address, "--session", "paused", "--steps", "20", "--max-queue-steps", "3",

@@ -8,22 +8,23 @@ import time
 
 import pytest
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import serve_process, wait_for
 
 
-def _ddp_env(rank: int, port: int) -> dict[str, str]:
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+def _ddp_env(rank: int) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
 
 
 @pytest.mark.parametrize("server", [{"halt_on_divergence": True}], indirect=True)
-def test_two_rank_ddp_runs_halt_at_the_same_step_on_every_rank(server, jobs):
+def test_two_rank_ddp_runs_halt_at_the_same_step_on_every_rank(server, jobs, tmp_path):
     started = []
     for run, bug in (("base", None), ("cand", "lr")):
-        port = free_port()
+        rendezvous = f"file://{tmp_path / ('rendezvous-' + run)}"  # no port to hand out: a file both ranks open
         for rank in range(2):
             started.append(
                 jobs("torch", server=server.address, session="ddp", run=run, baseline=run == "base", bug=bug,
-                     steps=400, env=_ddp_env(rank, port), extra=["--step-delay", "0.02", "--lockstep", "2"])
+                     steps=400, env=_ddp_env(rank), extra=["--step-delay", "0.02", "--lockstep", "2",
+                                                            "--dist-init", rendezvous])
             )
     results = [job.wait() for job in started]
     for r in results:
@@ -40,9 +41,9 @@ def test_two_rank_ddp_runs_halt_at_the_same_step_on_every_rank(server, jobs):
     assert {r["state"] for r in report["runs"]} == {"halted"}
 
 
-def test_training_finishes_when_the_server_is_down_from_the_start(jobs):
+def test_training_finishes_when_the_server_is_down_from_the_start(jobs, refused_address):
     start = time.monotonic()
-    job = jobs("torch", server=f"127.0.0.1:{free_port()}", session="nobody", baseline=True, steps=20)
+    job = jobs("torch", server=refused_address, session="nobody", baseline=True, steps=20)
     result = job.wait(timeout=120)
     assert result.returncode == 0, result.output
     assert result.result["steps_completed"] == 20 and not result.halted
@@ -52,13 +53,8 @@ def test_training_finishes_when_the_server_is_down_from_the_start(jobs):
 
 
 def test_training_finishes_when_the_server_is_killed_mid_run(jobs, tmp_path):
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "twinstep.cli.main", "serve", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    server, address = serve_process()
     try:
-        address = f"127.0.0.1:{port}"
         job = jobs("torch", server=address, session="killed", baseline=True, steps=60, extra=["--step-delay", "0.05"])
         report = tmp_path / "report.json"
 

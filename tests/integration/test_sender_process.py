@@ -85,8 +85,7 @@ def test_training_goes_on_when_the_sender_process_dies(server, jobs):
     job = jobs("torch", server=server.address, session="sender-dies", run="torch", baseline=True, steps=40,
                capture="tensors", extra=["--sender", "process", "--step-delay", "0.05"])
     sender = wait_for(lambda: _sender_of(job.process.pid), timeout=60)
-    wait_for(lambda: _last_step(server, "sender-dies") >= 2)
-    time.sleep(0.2)  # the sender reports its counters every 20 ms: let the training process hear of those 3 steps
+    wait_for(lambda: _last_step(server, "sender-dies") >= 2)  # three steps went through the sender process
     os.kill(sender, signal.SIGKILL)
     start = time.monotonic()
     result = job.wait()
@@ -95,14 +94,13 @@ def test_training_goes_on_when_the_sender_process_dies(server, jobs):
     assert "training continues without sending its steps" in result.output  # one clear warning
     dropped = result.result["dropped"]
     assert dropped.get("sender_lost", 0) > 0, result.result
-    assert result.result["steps_sent"] >= 3
+    run = server.report_proto("sender-dies").runs[0]  # what got through before is kept; then the run is lost
+    assert run.last_step >= 2 and run.state == "lost", run
     assert time.monotonic() - start < 60  # and close did not hang on the dead sender
 
 
-def test_no_server_means_drops_not_a_stuck_training(jobs, tmp_path):
-    from tests.conftest import free_port
-
-    job = jobs("torch", server=f"127.0.0.1:{free_port()}", session="nobody", steps=5, capture="tensors",
+def test_no_server_means_drops_not_a_stuck_training(jobs, tmp_path, refused_address):
+    job = jobs("torch", server=refused_address, session="nobody", steps=5, capture="tensors",
                extra=["--sender", "process"])
     result = job.wait(timeout=120)
     assert result.returncode == 0 and result.result["steps_completed"] == 5, result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import last_step, wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step
 from twinstep.server.config import config_from_dict
 from twinstep.v1 import twinstep_pb2 as pb
@@ -59,7 +59,7 @@ def test_window_bounds_a_run_that_is_far_ahead_and_the_report_says_so(server):
     base = open_run(server.address, "window", "base", True, [(0, "fc", "Linear")])
     for s in range(20):  # a raw client ignores credit; the server must still bound memory
         base.send(step(s, [(0, X)]))
-    wait_for(lambda: server.registry.get("window").runs["base"].last_step == 19)
+    wait_for(lambda: last_step(server, "window", "base") == 19)
     session = server.registry.get("window")
     assert session.aligners[0].pending_steps("base") == 5
     cand = open_run(server.address, "window", "cand", False, [(0, "fc", "Linear")])
@@ -103,7 +103,7 @@ def test_a_slow_rank_cannot_hide_an_earlier_divergence(server):
         streams["cand", 0].send(step(s, [(0, X + 1.0 if s == 3 else X)], rank=0))
     for s in range(2):
         streams["base", 1].send(step(s, [(0, X)], rank=1))
-    wait_for(lambda: server.registry.get("slow").runs["cand"].ranks[0].last_step == 4)
+    wait_for(lambda: last_step(server, "slow", "cand") == 4)
     assert server.report("slow")["first_divergence"] is None  # rank 1 has not delivered step 1..3 yet
     for s in range(5):
         streams["cand", 1].send(step(s, [(0, X * 2 if s == 1 else X)], rank=1))

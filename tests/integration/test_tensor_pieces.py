@@ -1,4 +1,4 @@
-"""Tensors streamed ahead of their step in pieces: compared like inline ones; malformed pieces refused clearly."""
+"""Tensors streamed ahead of their step in pieces: compared whole; malformed pieces refused clearly."""
 
 from __future__ import annotations
 
@@ -104,13 +104,6 @@ def test_pieces_beyond_the_window_are_refused_before_memory_grows(server):
     noise = RNG.standard_normal(100_000).astype(np.float32)  # incompressible
     _refused(server, "huge", pieces(0, [(0, noise)], per_piece=1000),
              "tensor pieces exceed 4096 bytes")
-
-
-def test_a_tensor_both_inline_and_in_pieces_is_refused(server):
-    sent = pieces(0, [(0, A)])
-    records = step(0, [(0, A)], payload=True)
-    records.step.tensor_pieces = 1
-    _refused(server, "both", sent + [records], "has a tensor both inline and in pieces")
 
 
 def test_a_piece_before_hello_is_refused(server):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import twinstep
-from tests.conftest import wait_for
+from tests.conftest import last_step, run_status, wait_for
 
 
 def model() -> torch.nn.Module:
@@ -52,8 +52,7 @@ def test_context_manager_sends_every_step_and_detaches(server):
     with twinstep.attach(net, session="ctx", run="torch", baseline=True, server=server.address, every=2) as mon:
         train(net, mon, 6)
     assert all(len(m._forward_hooks) == 0 for m in net.modules())
-    session = server.registry.get("ctx")
-    run = session.runs["torch"]
+    run = run_status(server, "ctx", "torch")
     assert run.last_step == 4 and run.state == "finished"  # steps 0, 2, 4 captured
     assert mon.stats.steps_sent == 3
 
@@ -62,11 +61,11 @@ def test_operator_halt_raises_at_the_next_step(server):
     net = model()
     mon = twinstep.attach(net, session="op", run="torch", baseline=True, server=server.address)
     train(net, mon, 2)
-    wait_for(lambda: server.registry.get("op") and server.registry.get("op").runs["torch"].last_step == 1)
+    wait_for(lambda: last_step(server, "op", "torch") == 1)
     assert server.halt("op", "operator says stop") == ["torch"]
     with pytest.raises(twinstep.Halted, match="operator says stop") as caught:
         wait_for(lambda: train(net, mon, 1), timeout=10)
     assert caught.value.reason == "operator says stop"
     assert caught.value.step >= 2
-    wait_for(lambda: server.registry.get("op").runs["torch"].state == "halted")
+    wait_for(lambda: run_status(server, "op", "torch").state == "halted")
     train(net, mon, 1)  # after close, step() is a no-op: training may go on if the user wants

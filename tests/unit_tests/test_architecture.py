@@ -74,3 +74,115 @@ def test_a_torch_job_never_imports_paddle(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+
+
+# -- the server stands apart from the training side --------------------------------------------
+
+#: Client modules the server may use: the contract and framework-neutral definitions, nothing that
+#: runs on the training side (api, capture, transport, kernels, cli, demo, inprocess).
+SHARED = {"twinstep", "twinstep._version", "twinstep.phases", "twinstep.codec", "twinstep.stats",
+          "twinstep.sketch", "twinstep.layouts", "twinstep.environment"}
+TRAINING_SIDE = ("twinstep.api", "twinstep.capture", "twinstep.transport", "twinstep.kernels", "twinstep.cli",
+                 "twinstep.demo", "twinstep.inprocess")
+
+
+def _module_files() -> dict[str, Path]:
+    """Every twinstep module name -> its file, from pyproject's package folders."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    files = {}
+    for package, folder in config["package-dir"].items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join([package, *parts])
+            files[name.removesuffix(".__init__")] = path
+    return files
+
+
+def _import_time_imports(path: Path) -> set[str]:
+    """Modules imported when ``path`` is imported: module-level statements (a function's imports run later)."""
+    found: set[str] = set()
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def test_server_modules_import_only_the_server_the_contract_and_shared_definitions():
+    """Transitively, at import time: what `import twinstep.server` can load, read from the source."""
+    files = _module_files()
+    start = [name for name in files if name.startswith("twinstep.server")]
+    seen, stack = set(start), list(start)
+    while stack:
+        for imported in _import_time_imports(files[stack.pop()]):
+            if imported in files and imported not in seen:  # a submodule, or a name imported from a package
+                seen.add(imported)
+                stack.append(imported)
+                parent = imported.rsplit(".", 1)[0]
+                while parent and parent not in seen and parent in files:  # importing a.b.c imports a and a.b
+                    seen.add(parent)
+                    stack.append(parent)
+                    parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+    outside = {m for m in seen if not m.startswith(("twinstep.server", "twinstep.v1")) and m not in SHARED}
+    assert not outside, f"the server reaches client modules: {sorted(outside)}"
+
+
+def test_importing_the_server_loads_no_training_side_module():
+    """In a fresh interpreter, by what lands in sys.modules."""
+    import subprocess
+    import sys
+
+    script = ("import sys, twinstep.server\n"
+              "print('\\n'.join(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert not {m for m in loaded if m.startswith(TRAINING_SIDE)}, sorted(m for m in loaded if m.startswith(TRAINING_SIDE))
+    assert not loaded & {"torch", "paddle", "numba"}
+
+
+def test_the_client_package_loads_its_runtime_only_when_asked():
+    import subprocess
+    import sys
+
+    script = ("import sys, twinstep\n"
+              "assert 'twinstep.api' not in sys.modules\n"
+              "twinstep.attach\n"
+              "assert 'twinstep.api' in sys.modules\n"
+              "assert twinstep.Halted.__module__ == 'twinstep.errors'\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
+def test_one_module_owns_the_phase_vocabulary():
+    """No list, tuple or set of (most of) the phase names outside twinstep.phases.
+
+    Tables keyed by phase (tolerances per phase) are configuration, not vocabulary, and may name them.
+    """
+    names = {"forward", "loss", "backward", "grad", "param", "input"}
+    owner = ROOT / "client" / "phases.py"
+    offenders = []
+    for folder in ("client", "server"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == owner:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                    continue
+                values = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(values & names) >= 4:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders

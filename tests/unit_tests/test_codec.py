@@ -648,11 +648,16 @@ def test_error_bound_edges():
         codec.error_bound_for_cosine(1.0, -1.0)
     # float32 activation defaults: rel_l2 at 1e-4 binds, not cosine at 1e-6 (an angle of 1.4e-3) ...
     tolerances = {"rel_l2": 1e-4, "cosine": 1e-6, "max_abs": math.inf}
-    assert codec.error_bound_for_record(3.0, tolerances) == codec.error_bound_for(3.0, 1e-4)
+    def bound(rms, tolerances):
+        return codec.error_bound(rms, *codec.lossy_budget(tolerances))
+
+    assert bound(3.0, tolerances) == pytest.approx(codec.error_bound_for(3.0, 1e-4), rel=1e-14)
     # ... while a loose rel_l2 leaves cosine binding (bfloat16 activations: 0.2 and 0.01).
-    assert codec.error_bound_for_record(3.0, {"rel_l2": 0.2, "cosine": 0.01}) == codec.error_bound_for_cosine(3.0, 0.01)
-    assert codec.error_bound_for_record(3.0, dict(tolerances, max_abs=1e-9)) == pytest.approx(5e-11)
-    assert codec.error_bound_for_record(3.0, {}) == math.inf
+    assert bound(3.0, {"rel_l2": 0.2, "cosine": 0.01}) == pytest.approx(codec.error_bound_for_cosine(3.0, 0.01),
+                                                                         rel=1e-14)
+    assert bound(3.0, dict(tolerances, max_abs=1e-9)) == pytest.approx(5e-11)
+    assert bound(3.0, {}) == math.inf
+    assert bound(0.0, tolerances) == bound(math.nan, tolerances) == 0.0  # nothing to scale by: lossless
 
 
 def _signs(n: int, seed: int) -> np.ndarray:
@@ -732,7 +737,7 @@ def test_lossy_verdicts_match_lossless_outside_the_margin(dtype, phase, kind):
             ea, eb = _exact(sa, dtype), _exact(sb, dtype)  # what the lossless stream carries
             decoded = []
             for s, e in ((sa, ea), (sb, eb)):
-                bound = codec.error_bound_for_record(float(np.sqrt(np.mean(e * e))), tolerances, m)
+                bound = codec.error_bound(float(np.sqrt(np.mean(e * e))), *codec.lossy_budget(tolerances, m))
                 decoded.append(_lossy(s, dtype, bound)[2])
             exact, lossy = metrics.from_tensors(ea, eb), metrics.from_tensors(*decoded)
             for metric in checked:

@@ -1,4 +1,4 @@
-"""server/compare/records.decode_step + comparator.compare_step on hand-built StepRecords."""
+"""server/ingest/decode.decode_step + comparator.compare_step on hand-built StepRecords."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from twinstep import codec, stats
 from twinstep.server.compare.comparator import CompareContext, compare_step
 from twinstep.server.compare.mapping import NameMapping
-from twinstep.server.compare.records import Manifest, decode_step
+from twinstep.server.ingest.decode import decode_step
+from twinstep.server.ingest.manifest import Manifest
+from twinstep.server.ingest.pieces import PieceCollector
 from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.server.errors import InputError
 from twinstep.v1 import twinstep_pb2 as pb
@@ -55,10 +57,20 @@ def _manifest_message(records: list[Rec]) -> tuple[pb.Manifest, dict[tuple[str, 
 
 
 def build(records: list[Rec], step: int = 3, rank: int = 0) -> tuple[pb.StepRecords, Manifest]:
+    """A step's records and its manifest (records without full tensors: see build_with_pieces)."""
+    msg, manifest, pieces = build_with_pieces(records, step, rank)
+    assert not pieces, "records with payload=True travel as pieces: use build_with_pieces"
+    return msg, manifest
+
+
+def build_with_pieces(records: list[Rec], step: int = 3, rank: int = 0
+                      ) -> tuple[pb.StepRecords, Manifest, list[pb.TensorPiece]]:
+    """A step as a tensor-mode client sends it: its records, the manifest, and one piece per full tensor."""
     message, ids = _manifest_message(records)
     manifest = Manifest()
     manifest.add(message)
     msg = pb.StepRecords(rank=rank, step=step)
+    pieces = []
     for i, r in enumerate(records):
         msg.phase.append(PHASE[r.phase])
         if r.phase in ("forward", "backward", "input"):
@@ -80,13 +92,23 @@ def build(records: list[Rec], step: int = 3, rank: int = 0) -> tuple[pb.StepReco
         msg.stats.inf_count.append(int(t["inf_count"][0]))
         if r.payload:
             kind, data, n = codec.encode(np.asarray(r.value, dtype=codec.storage_dtype(r.dtype)))
-            msg.tensors.add(record=i, codec=kind, data=data, raw_nbytes=n)
-    return msg, manifest
+            pieces.append(pb.TensorPiece(step=step, record=i, offset=0, numel=r.value.size, codec=kind, raw_nbytes=n,
+                                         data=data))
+    msg.tensor_pieces = len(pieces)
+    return msg, manifest, pieces
+
+
+def collected(pieces: list[pb.TensorPiece]) -> PieceCollector:
+    """A stream's collector holding ``pieces``, as the server has it when their step's records arrive."""
+    collector = PieceCollector(1 << 30)
+    for piece in pieces:
+        collector.add(piece)
+    return collector
 
 
 def decoded(records: list[Rec], **kw):
-    msg, manifest = build(records, **kw)
-    return decode_step(msg, manifest)
+    msg, manifest, pieces = build_with_pieces(records, **kw)
+    return decode_step(msg, manifest, collected(pieces))
 
 
 def ctx(base="torch", cand="torch", mapping: NameMapping | None = None, tolerances: ToleranceConfig | None = None):
@@ -150,9 +172,9 @@ def test_decode_step_names_shapes_and_stats():
     assert data.nbytes > 0
 
 
-def _error(msg, manifest, code=grpc.StatusCode.INVALID_ARGUMENT) -> str:
+def _error(msg, manifest, code=grpc.StatusCode.INVALID_ARGUMENT, pieces=()) -> str:
     with pytest.raises(InputError) as info:
-        decode_step(msg, manifest)
+        decode_step(msg, manifest, collected(list(pieces)))
     assert info.value.code == code
     return info.value.message
 
@@ -208,8 +230,9 @@ def test_decode_step_negative_dim_unknown_dtype_phase_payload():
     msg.phase[0] = pb.PHASE_UNSPECIFIED
     assert "unknown phase" in _error(msg, manifest)
     msg, manifest = build(model_records())
-    msg.tensors.add(record=len(msg.phase), codec=pb.RAW, data=b"", raw_nbytes=0)
-    assert "tensor payload for record" in _error(msg, manifest)
+    msg.tensor_pieces = 1
+    beyond = pb.TensorPiece(step=msg.step, record=len(msg.phase), codec=pb.RAW)
+    assert f"tensor piece for record {len(msg.phase)}, only" in _error(msg, manifest, pieces=[beyond])
 
 
 def test_manifest_redefinition_refused():
@@ -317,8 +340,8 @@ def test_renamed_candidate_matches_through_mapping():
     cand = decoded(cand_records)
     without = compare_step(base, cand, ctx())
     assert without.rows == [] or all(row.phase == "loss" for row in without.rows)
-    assert "forward:embed" in without.unmatched_baseline
-    assert "forward:model.embed" in without.unmatched_candidate
+    assert "forward:embed" in map(str, without.unmatched_baseline)
+    assert "forward:model.embed" in map(str, without.unmatched_candidate)
     mapping = NameMapping.from_dict(
         {"exact": {"model.blocks.one": "layers.1"}, "prefix": [{"candidate": "model.", "baseline": ""}]}
     )
@@ -339,8 +362,8 @@ def test_unmatched_names_listed_once():
     cand_records.append(Rec("forward", "bonus", np.ones(3, np.float32)))
     cand_records.append(Rec("forward", "bonus", np.ones(3, np.float32), call=1))
     result = compare_step(decoded(base_records), decoded(cand_records), ctx())
-    assert result.unmatched_baseline == ["forward:head", "backward:head", "forward:extra"]
-    assert result.unmatched_candidate == ["forward:bonus"]
+    assert list(map(str, result.unmatched_baseline)) == ["forward:head", "backward:head", "forward:extra"]
+    assert [(label.phase, label.name) for label in result.unmatched_candidate] == [("forward", "bonus")]
     assert len(result.rows) == len(base_records) - 3
     assert result.first is None
 
@@ -420,9 +443,9 @@ def test_payload_only_on_one_side_uses_statistics():
 def test_corrupt_payload_is_reported_not_raised():
     x = _rng(8).normal(size=(4, 4)).astype(np.float32)
     base = decoded([Rec("forward", "m", x, payload=True)])
-    msg, manifest = build([Rec("forward", "m", x, payload=True)])
-    msg.tensors[0].data = b"garbage"
-    cand = decode_step(msg, manifest)
+    msg, manifest, pieces = build_with_pieces([Rec("forward", "m", x, payload=True)])
+    pieces[0].data = b"garbage"
+    cand = decode_step(msg, manifest, collected(pieces))
     result = compare_step(base, cand, ctx())
     assert len(result.errors) == 1 and "'m'" in result.errors[0]
     assert result.first is None  # statistics still agree
@@ -662,10 +685,10 @@ def test_fused_rule_axis_combines_outputs_along_another_axis():
 
 def test_fused_corrupt_payload_is_reported_not_raised():
     t = qkv_tensors()
-    msg, manifest = build(paddle_fused(t)[:1])
-    msg.tensors[0].data = b"garbage"
+    msg, manifest, pieces = build_with_pieces(paddle_fused(t)[:1])
+    pieces[0].data = b"garbage"
     result = compare_step(decoded(torch_parts(t)[:1] + torch_parts(t)[5:6] + torch_parts(t)[10:11]),
-                          decode_step(msg, manifest), ctx("torch", "paddle", fused_mapping(QKV, groups=2)))
+                          decode_step(msg, manifest, collected(pieces)), ctx("torch", "paddle", fused_mapping(QKV, groups=2)))
     assert len(result.errors) == 1 and "attn.{q_proj,k_proj,v_proj}" in result.errors[0]
     assert result.first is None  # statistics still agree
 

@@ -438,7 +438,7 @@ def _wrapped(framework: str, in_place: bool):
 def test_recorder_reuses_statistics_of_a_tensor_recorded_twice(framework, in_place):
     # The root returns its child's output (and autograd hands both the same gradient):
     # one pass each, unless the tensor was modified in place in between.
-    from twinstep.capture import CaptureConfig, Recorder, backend_for
+    from twinstep.capture import CaptureConfig, Recorder
 
     model, x = _wrapped(framework, in_place)
     fw = _framework(framework)

@@ -36,7 +36,7 @@ def test_module_inputs_and_non_finite_values_are_left_out():
 
 
 def test_text_report_names_each_phases_worst_metric_against_its_tolerance():
-    from twinstep.report import render_text
+    from twinstep.server.report.render import render_text
     from twinstep.v1 import twinstep_pb2 as pb
 
     report = pb.Report(session="s", status="aligned")

@@ -165,7 +165,8 @@ fused:
     assert (gate_up.single_side, gate_up.groups, gate_up.axis) == ("baseline", 1, -1)
     rule, parts = m.fused_match("candidate", "layers.3.qkv_proj")
     assert rule is qkv and parts == ["layers.3.q_proj", "layers.3.k_proj", "layers.3.v_proj"]
-    assert m.fused_parts("baseline", "layers.0.up_gate_proj") == ["layers.0.gate_proj", "layers.0.up_proj"]
+    rule, parts = m.fused_match("baseline", "layers.0.up_gate_proj")
+    assert rule is gate_up and parts == ["layers.0.gate_proj", "layers.0.up_proj"]
     assert m.fused_match("baseline", "layers.3.qkv_proj") is None
 
 

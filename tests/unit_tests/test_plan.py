@@ -8,19 +8,16 @@ import numpy as np
 import pytest
 
 from tests.unit_tests.test_comparator import Rec, ctx, decoded, model_records
-from twinstep.server.compare import comparator
-from twinstep.server.compare.comparator import compare_step
+from twinstep.server.compare.comparator import StepComparison, compare_step
 from twinstep.server.compare.plan import PlanCache
 from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.compare.tolerance import METRICS
 
 
 @pytest.fixture
-def plans(monkeypatch):
-    """A private, empty plan cache (the module's is shared by every test)."""
-    cache = PlanCache()
-    monkeypatch.setattr(comparator, "PLANS", cache)
-    return cache
+def plans():
+    """An empty plan cache, as a session holds one."""
+    return PlanCache()
 
 
 def _rows(result):
@@ -28,7 +25,7 @@ def _rows(result):
 
 
 def test_a_warm_plan_gives_the_same_comparison_as_a_cold_one(plans):
-    context = ctx()
+    context = dataclasses.replace(ctx(), plans=plans)
     first = compare_step(decoded(model_records(0)), decoded(model_records(1)), context)
     assert (plans.misses, plans.hits) == (1, 0)
     again = compare_step(decoded(model_records(0)), decoded(model_records(1)), context)
@@ -40,7 +37,7 @@ def test_a_warm_plan_gives_the_same_comparison_as_a_cold_one(plans):
 
 
 def test_a_changed_shape_gets_a_new_plan_and_is_seen(plans):
-    context = ctx()
+    context = dataclasses.replace(ctx(), plans=plans)
     base = model_records(0)
     assert compare_step(decoded(base), decoded(model_records(0)), context).first is None
     cand = model_records(0)
@@ -51,7 +48,7 @@ def test_a_changed_shape_gets_a_new_plan_and_is_seen(plans):
 
 
 def test_a_changed_dtype_gets_a_new_plan_and_its_tolerances(plans):
-    context = ctx()
+    context = dataclasses.replace(ctx(), plans=plans)
     base = model_records(0)
     fp32 = compare_step(decoded(base), decoded(model_records(0)), context)
     bf16 = [dataclasses.replace(r, dtype="bfloat16") for r in model_records(0)]
@@ -65,8 +62,8 @@ def test_another_mapping_gets_another_plan(plans):
     from twinstep.server.compare.mapping import NameMapping
 
     base, cand = decoded(model_records(0)), decoded(model_records(0, prefix="model."))
-    unmapped = compare_step(base, cand, ctx())
-    mapped = compare_step(base, cand, ctx(mapping=NameMapping(prefix=[("model.", "")])))
+    unmapped = compare_step(base, cand, dataclasses.replace(ctx(), plans=plans))
+    mapped = compare_step(base, cand, dataclasses.replace(ctx(mapping=NameMapping(prefix=[("model.", "")])), plans=plans))
     assert unmapped.unmatched_candidate and not mapped.unmatched_candidate
     assert plans.misses == 2
 
@@ -81,7 +78,7 @@ def test_vectorised_noise_bands_follow_the_per_record_rule():
     known = keys[:25]
     steps = []
     for step in range(3):
-        comparison = comparator.StepComparison(step=step, rank=0, candidate_run="ref", rows=[object()] * len(known),
+        comparison = StepComparison(step=step, rank=0, candidate_run="ref", rows=[object()] * len(known),
                                                keys=known)
         comparison.values = {m: np.where(rng.random(len(known)) < 0.2, np.nan, rng.random(len(known)) * 1e-5)
                              for m in METRICS}
@@ -102,7 +99,8 @@ def test_vectorised_noise_bands_follow_the_per_record_rule():
 
 def test_record_layouts_are_resolved_per_manifest():
     """Two streams may give one module id different names; a manifest that grows resolves what it lacked."""
-    from twinstep.server.compare.records import Manifest, decode_step
+    from twinstep.server.ingest.decode import decode_step
+    from twinstep.server.ingest.manifest import Manifest
     from twinstep.server.errors import InputError
     from twinstep.v1 import twinstep_pb2 as pb
     from tests.unit_tests.test_comparator import build
@@ -122,7 +120,7 @@ def test_record_layouts_are_resolved_per_manifest():
 
 
 def test_a_cached_layout_still_checks_each_steps_counts():
-    from twinstep.server.compare.records import decode_step
+    from twinstep.server.ingest.decode import decode_step
     from twinstep.server.errors import InputError
     from tests.unit_tests.test_comparator import build
 

@@ -8,7 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import last_step as server_last_step
+from tests.conftest import run_status, wait_for
+from tests.unit_tests.tiny_server import TinyServer, TinyServicer
 from twinstep._version import PROTOCOL_VERSION
 from twinstep.capture.recorder import StepBatch
 from twinstep.server import serve
@@ -33,7 +35,7 @@ def batch(step: int) -> StepBatch:
         ndim=np.zeros(1, dtype=np.uint32),
         dims=[],
         count=np.ones(1, dtype=np.int64),
-        device_stats=np.array([[2.0 + step, (2.0 + step) ** 2, 2.0 + step, 2.0 + step, 2.0 + step, 0, 0]]),
+        device_stats=np.array([[2.0 + step, (2.0 + step) ** 2, 2.0 + step, 2.0 + step, 2.0 + step, 0, 0, 0.0]]),  # m2 last
     )
 
 
@@ -47,12 +49,11 @@ def client(target: str, session: str, **config) -> StreamClient:
 
 
 def last_step(server, session: str) -> int:
-    found = server.registry.get(session)
-    return found.runs["base"].last_step if found and "base" in found.runs else -1
+    return server_last_step(server, session, "base")
 
 
-def test_server_down_submit_never_blocks_and_drops_oldest(caplog):
-    c = client(f"127.0.0.1:{free_port()}", "down", max_queue_steps=10)
+def test_server_down_submit_never_blocks_and_drops_oldest(caplog, refused_address):
+    c = client(refused_address, "down", max_queue_steps=10)
     accepted = [c.submit(batch(i)) for i in range(1000)]
     assert all(accepted)
     assert c.stats.dropped == {"queue_full": 990}
@@ -71,15 +72,14 @@ def test_steps_arrive_in_order_and_close_is_clean(server):
     for i in range(50):
         c.submit(batch(i))
     c.close("finished", 49, timeout=10)
-    session = server.registry.get("clean")
-    assert session.runs["base"].last_step == 49
-    assert session.runs["base"].state == "finished"
+    run = run_status(server, "clean", "base")
+    assert run.last_step == 49 and run.state == "finished"
     assert c.stats.steps_sent == 50 and not c.stats.dropped
 
 
 def test_reconnects_after_a_server_restart():
-    port = free_port()
-    first = serve(port=port)
+    first = serve(port=0)
+    port = first.port  # the restart binds the port the first server had: that is the test
     c = client(f"127.0.0.1:{port}", "restart")
     for i in range(5):
         c.submit(batch(i))
@@ -143,3 +143,28 @@ def test_a_forked_child_gets_an_inert_client(server):
 def test_stream_config_is_validated():
     with pytest.raises(ValueError, match="host:port"):
         StreamConfig(target="nowhere")
+
+
+def test_a_step_the_server_fails_on_is_dropped_not_resent_forever(caplog):
+    """INTERNAL on step 2 and on step 4 (a server bug those steps trigger): each is sent once, dropped with
+    reason "server_error", listed for the server, warned once in all; the steps after them arrive."""
+    tiny = TinyServer(TinyServicer(fail_on=frozenset({2, 4})))
+    c = client(tiny.address, "server-error")
+    try:
+        for i in range(7):
+            c.submit(batch(i))
+        wait_for(lambda: tiny.servicer.held() == [0, 1, 3, 5, 6], timeout=20)
+        c.close("finished", 6, timeout=10)
+        seen = tiny.servicer.seen
+        assert seen.steps.count(2) == 1 and seen.steps.count(4) == 1, seen.steps  # tried once, not again
+        assert c.stats.dropped == {"server_error": 2} and c.pending_steps == 0
+        assert [(m.first_step, m.last_step, m.reason) for m in seen.health.missing] == [
+            (2, 2, "server_error"), (4, 4, "server_error")]
+        assert "a bug on step 2" in seen.health.missing[0].detail
+        assert dict(seen.health.dropped) == {"server_error": 2} and dict(seen.close.dropped) == {"server_error": 2}
+        messages = [r.getMessage() for r in caplog.records if r.name == "twinstep" and r.levelname == "WARNING"]
+        assert sum("server failed while taking step 2" in m for m in messages) == 1, messages
+        assert not any("step 4" in m or "lost contact" in m for m in messages), messages
+    finally:
+        c.close("finished", 6, timeout=1)
+        tiny.stop()

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from tests.conftest import last_step
 from google.protobuf.message import DecodeError
 
 from tests.unit_tests.test_recorder import FRAMEWORKS, toy
 from twinstep import codec
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.server import ServerConfig
-from twinstep.server.compare.tensors import PieceCollector
-from twinstep.server.wire import ReceivedPiece, parse_client_message
+from twinstep.server.ingest.pieces import PieceCollector
+from twinstep.server.ingest.wire import ReceivedPiece, parse_client_message
 from twinstep.transport.messages import TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -225,5 +227,5 @@ def test_a_step_whose_tensors_the_server_cannot_hold_is_dropped_by_the_client(se
     mon.close()
     assert mon.stats.dropped == {"oversized": 1} and not mon.stats.rejected
     assert mon.stats.steps_sent == 2
-    assert server.registry.get("window").runs["base"].last_step == 2
+    assert last_step(server, "window", "base") == 2
     assert sum("over the 6000 bytes the server holds" in r.getMessage() for r in caplog.records) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from twinstep.server.align.window import RankAligner
-from twinstep.server.compare.records import StepData
+from twinstep.server.ingest.step import StepData
 
 BASE, CAND, CAND2 = "base", "cand", "cand2"
 

@@ -169,22 +169,6 @@ class Statistics(_message.Message):
     m2: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, count: _Optional[_Iterable[int]] = ..., sum: _Optional[_Iterable[float]] = ..., sum_sq: _Optional[_Iterable[float]] = ..., min: _Optional[_Iterable[float]] = ..., max: _Optional[_Iterable[float]] = ..., abs_max: _Optional[_Iterable[float]] = ..., nan_count: _Optional[_Iterable[int]] = ..., inf_count: _Optional[_Iterable[int]] = ..., m2: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class TensorPayload(_message.Message):
-    __slots__ = ("record", "codec", "data", "raw_nbytes", "error_bound", "quant_step")
-    RECORD_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
-    ERROR_BOUND_FIELD_NUMBER: _ClassVar[int]
-    QUANT_STEP_FIELD_NUMBER: _ClassVar[int]
-    record: int
-    codec: Codec
-    data: bytes
-    raw_nbytes: int
-    error_bound: float
-    quant_step: float
-    def __init__(self, record: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., raw_nbytes: _Optional[int] = ..., error_bound: _Optional[float] = ..., quant_step: _Optional[float] = ...) -> None: ...
-
 class Sketches(_message.Message):
     __slots__ = ("buckets", "seed", "record", "values")
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -198,7 +182,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "tensors", "dropped", "sketches", "tensor_pieces", "incomplete")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,7 +200,6 @@ class StepRecords(_message.Message):
     NDIM_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PIECES_FIELD_NUMBER: _ClassVar[int]
@@ -231,12 +214,11 @@ class StepRecords(_message.Message):
     ndim: _containers.RepeatedScalarFieldContainer[int]
     dims: _containers.RepeatedScalarFieldContainer[int]
     stats: Statistics
-    tensors: _containers.RepeatedCompositeFieldContainer[TensorPayload]
     dropped: _containers.ScalarMap[str, int]
     sketches: Sketches
     tensor_pieces: int
     incomplete: _containers.RepeatedScalarFieldContainer[Phase]
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorPayload, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("step", "record", "offset", "numel", "codec", "raw_nbytes", "error_bound", "quant_step", "same_records", "data")

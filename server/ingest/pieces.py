@@ -1,4 +1,4 @@
-"""Full-tensor payloads of a step: inline in StepRecords, or streamed ahead of it in pieces.
+"""Full-tensor payloads of a step, streamed ahead of it in pieces.
 
 A client in tensor mode sends each tensor as one or more ``TensorPiece``
 messages before the step's ``StepRecords``; the stream's :class:`PieceCollector`
@@ -24,22 +24,21 @@ class Piece:
     """One encoded slice of a tensor's flat elements.
 
     ``source`` holds the payload: a view of the received buffer, or the
-    received message (TensorPiece or TensorPayload), whose ``data`` is read
-    only when the tensor is decoded, since every read of a protobuf bytes
-    field is a copy.
+    received TensorPiece, whose ``data`` is read only when the tensor is
+    decoded, since every read of a protobuf bytes field is a copy.
     """
 
     offset: int
     numel: int
     codec: int
-    source: memoryview | pb.TensorPiece | pb.TensorPayload
+    source: memoryview | pb.TensorPiece
     size: int
     raw_nbytes: int
     quant_step: float = 0.0
     error_bound: float = 0.0
 
     @classmethod
-    def of(cls, message: pb.TensorPiece | pb.TensorPayload, offset: int, numel: int,
+    def of(cls, message: pb.TensorPiece, offset: int, numel: int,
            data: memoryview | None = None) -> "Piece":
         source = data if data is not None else message
         size = data.nbytes if data is not None else message.ByteSize()
@@ -56,10 +55,6 @@ class TensorData:
     """One record's full tensor, as the pieces it came in (in element order)."""
 
     pieces: list[Piece] = field(default_factory=list)
-
-    @classmethod
-    def from_payload(cls, payload: pb.TensorPayload, numel: int) -> "TensorData":
-        return cls([Piece.of(payload, 0, numel)])
 
     @property
     def lossy(self) -> bool:

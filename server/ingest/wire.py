@@ -1,4 +1,4 @@
-"""How the server reads client messages off the wire, and registers its service.
+"""How the server reads client messages off the wire.
 
 Tensor pieces are most of the bytes a server receives.  Parsing them with
 protobuf copies every payload once more; here a piece's header fields are
@@ -10,13 +10,9 @@ protobuf as usual, so malformed input fails exactly as it would there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import grpc
 
 from twinstep.v1 import twinstep_pb2 as pb
 
-_SERVICE = pb.DESCRIPTOR.services_by_name["Twinstep"]
 _TENSOR_TAG = (pb.ClientMessage.DESCRIPTOR.fields_by_name["tensor"].number << 3) | 2
 _DATA_FIELD = pb.TensorPiece.DESCRIPTOR.fields_by_name["data"].number
 _MAX_VARINT_BYTES = 10
@@ -32,7 +28,7 @@ class ReceivedPiece:
 
 
 def parse_client_message(buffer: bytes) -> pb.ClientMessage | ReceivedPiece:
-    """The request deserializer of Stream."""
+    """The request deserializer of Stream (registered by twinstep.server.servicer.add_servicer)."""
     if buffer[:1] == bytes([_TENSOR_TAG]):
         piece = _parse_piece(buffer)
         if piece is not None:
@@ -91,30 +87,3 @@ def _varint(buffer: bytes, pos: int) -> tuple[int | None, int]:
             return value, i + 1
         shift += 7
     return None, pos
-
-
-def add_servicer(servicer: Any, server: grpc.Server) -> None:
-    """Register the Twinstep service, as the generated code does, with Stream reading pieces zero-copy."""
-    handlers = {
-        "Stream": grpc.stream_stream_rpc_method_handler(
-            servicer.Stream, request_deserializer=parse_client_message,
-            response_serializer=pb.ServerMessage.SerializeToString,
-        ),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            servicer.Watch, request_deserializer=pb.WatchRequest.FromString,
-            response_serializer=pb.Event.SerializeToString,
-        ),
-        "GetReport": grpc.unary_unary_rpc_method_handler(
-            servicer.GetReport, request_deserializer=pb.ReportRequest.FromString,
-            response_serializer=pb.Report.SerializeToString,
-        ),
-        "Halt": grpc.unary_unary_rpc_method_handler(
-            servicer.Halt, request_deserializer=pb.HaltRequest.FromString,
-            response_serializer=pb.HaltResponse.SerializeToString,
-        ),
-    }
-    missing = set(_SERVICE.methods_by_name) - set(handlers)
-    if missing:  # a method added to the .proto must be registered here too
-        raise RuntimeError(f"twinstep.server.wire does not register {sorted(missing)}")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(_SERVICE.full_name, handlers)

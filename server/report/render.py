@@ -1,4 +1,8 @@
-"""Render a session Report (from the server or an embedded handle) as JSON or text."""
+"""A Report as people and programs read it: the documented JSON form (with its schema) and text.
+
+Used by the command line, twinstep.compare and the embedded server handle; it reads only the
+Report message, so any client of the server can render what the server says.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from twinstep import phases
 from twinstep.v1 import twinstep_pb2 as pb
 
 
@@ -14,8 +19,6 @@ from twinstep.v1 import twinstep_pb2 as pb
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
 SCHEMA_VERSION = "1.1"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
-
-_PHASE_ORDER = ("forward", "loss", "backward", "grad", "param")
 
 
 def report_schema() -> dict[str, Any]:
@@ -112,7 +115,7 @@ def _run(r: pb.RunStatus) -> dict[str, Any]:
                 "last_failed_step": h.capture.last_failed_step if h.capture.failed_steps else None,
                 "step_error": h.capture.step_error or None,
                 "failures": [
-                    {"phase": pb.Phase.Name(f.phase).lower(), "name": f.name, "count": f.count,
+                    {"phase": phases.describe(f.phase), "name": f.name, "count": f.count,
                      "first_step": f.first_step, "last_step": f.last_step, "error": f.error}
                     for f in h.capture.failures
                 ],
@@ -239,8 +242,7 @@ def _headroom_lines(headroom: Any) -> list[str]:
     out = []
     for run in dict.fromkeys(h.candidate_run for h in headroom):
         out.append(f"worst value against its tolerance per phase, candidate {run!r} (over every step compared):")
-        phases = [p for p in ("forward", "loss", "backward", "grad", "param") if (run, p) in closest]
-        for phase in phases:
+        for phase in (p for p in phases.STEP_ORDER if (run, p) in closest):
             ratio, h = closest[(run, phase)]
             share = f"{ratio:6.3f} of it" if math.isfinite(ratio) else "no tolerance"
             out.append(f"  {phase:<8} {h.metric:<8} {h.value:9.2e} / {h.tolerance:8.1e}  {share}  "

@@ -1,0 +1,35 @@
+"""A session as a report sees it: copied under the session's lock, read without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinstep.server.compare.comparator import StepComparison
+from twinstep.server.detect.first_divergence import Candidate
+from twinstep.v1 import twinstep_pb2 as pb
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """Everything a Report says about one session at one moment.
+
+    The comparisons it refers to (first divergence, last step compared) are
+    never changed once made, so holding them is safe without the lock.
+    """
+
+    name: str
+    status: str
+    status_reasons: tuple[str, ...]
+    halted: bool
+    runs: tuple[pb.RunStatus, ...]
+    steps_compared: int
+    first: Candidate | None
+    last_comparison: StepComparison | None
+    unmatched_baseline: tuple[str, ...]
+    unmatched_candidate: tuple[str, ...]
+    errors: tuple[str, ...]
+    proposed_mapping: dict[str, str] | None
+    """The automatic matches of the first candidate that needed them."""
+    coverage: tuple[pb.Coverage, ...]
+    long_run: tuple[pb.LongRun, ...]
+    headroom: tuple[pb.Headroom, ...]
