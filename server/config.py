@@ -40,6 +40,14 @@ class ServerConfig:
     """Steps averaged by the long-run loss and gradient-norm criteria (the seeds ask for at least 1000)."""
     max_message_bytes: int = 256 << 20
     """Largest client message accepted; larger ones end that stream with RESOURCE_EXHAUSTED."""
+    max_sessions: int = 64
+    """Sessions one server holds; a stream naming one more is refused with RESOURCE_EXHAUSTED."""
+    max_runs_per_session: int = 16
+    """Runs (baseline, references, candidates) one session holds; one more is refused with RESOURCE_EXHAUSTED."""
+    memory_budget_bytes: int = 8 << 30
+    """Server-wide bound on the steps held for alignment, over every session.  Past it, the held steps of
+    sessions whose runs have all ended are freed, least recently active first (their reports stay);
+    sessions still streaming keep their own per-rank windows (window_steps, window_bytes)."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -48,9 +56,12 @@ class ServerConfig:
             raise ValueError("window_bytes must be positive")
         if self.max_workers < 4:
             raise ValueError("max_workers must be at least 4")
+        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -86,7 +97,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])

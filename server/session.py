@@ -20,6 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
+
+import grpc
 
 from twinstep._version import PROTOCOL_VERSION
 from twinstep.server.align.coverage import CoverageLedger
@@ -40,7 +43,7 @@ from twinstep.server.detect.gaps import Side, find_gaps
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
-from twinstep.server.errors import invalid
+from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.decode import decode_step
 from twinstep.server.report.snapshot import SessionSnapshot
 from twinstep.server.runs.credits import credit_updates
@@ -56,11 +59,12 @@ _MAX_FAILURE_ENTRIES = 1024
 
 
 class Session:
-    def __init__(self, name: str, config: ServerConfig) -> None:
+    def __init__(self, name: str, config: ServerConfig, on_ended: Callable[[], object] | None = None) -> None:
         self.name = name
         self.config = config
+        self._on_ended = on_ended  # the registry's memory budget, applied when a session's runs have all ended
         self.lock = threading.RLock()
-        self.members = Membership(name)
+        self.members = Membership(name, config.max_runs_per_session)
         self.events = EventBus(name)
         self.halting = HaltCoordinator(name, config.halt_prepare_timeout, self._announce_halt)
         self.mappings = MappingResolver(config.mapping, config.auto_mapping)
@@ -79,6 +83,8 @@ class Session:
         self._lossy: dict[str, pb.LossyBound] | None = None
         self._last_progress = 0.0
         self._verdict_told = False
+        self.last_active = time.monotonic()
+        """When a stream last delivered or ended (for the memory budget's eviction order)."""
 
     # -- views of the parts --------------------------------------------------------
 
@@ -136,13 +142,21 @@ class Session:
             run = self.members.leave(conn)
             if run is None:
                 return
+            state = run.ranks[conn.rank]
             self._aligner(conn.rank).finish(run.name, self.baseline, self.members.compared_runs, not self.candidates)
             self._run_deferred(conn.rank)
             declared = self._declare()
             ended = self._ended_verdict()
+            self.last_active = time.monotonic()
+        if state.state == "lost":
+            self._alert("warning", f"run {run.name!r} rank {conn.rank} is lost after step {state.last_step}: its stream "
+                        f"ended without a goodbye, {state.silent_for:.1f} s after its last message (the process died "
+                        "or the network failed); the other runs go on")
         self._announce(declared)
         if ended is not None:
             self._alert(*ended)
+            if self._on_ended is not None:
+                self._on_ended()
         self._update_credits(conn.rank)
         self._publish_progress(force=True)
 
@@ -198,6 +212,7 @@ class Session:
         self._publish_progress()
 
     def _delivered(self, conn: Connection, rank_state: RankState, step: int, message: pb.StepRecords) -> None:
+        rank_state.last_heard = self.last_active = time.monotonic()
         rank_state.merge_dropped(message.dropped)
         rank_state.last_step = max(rank_state.last_step, step)
         rank_state.accounted_step = max(rank_state.accounted_step, step)
@@ -492,6 +507,18 @@ class Session:
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def held_bytes(self) -> int:
+        """Bytes of steps held for alignment, over every rank."""
+        with self.lock:
+            return sum(aligner.held_bytes() for aligner in self.aligners.values())
+
+    def release_held_steps(self) -> int:
+        """Free the held steps once every run has ended (none can find a counterpart); returns bytes freed."""
+        with self.lock:
+            if not self.members.all_ended():
+                return 0
+            return sum(aligner.release_all() for aligner in self.aligners.values())
+
     def _aligner(self, rank: int) -> RankAligner:
         aligner = self.aligners.get(rank)
         if aligner is None:
@@ -529,9 +556,32 @@ class SessionRegistry:
         with self._lock:
             session = self._sessions.get(name)
             if session is None:
-                session = self._sessions[name] = Session(name, self.config)
+                if len(self._sessions) >= self.config.max_sessions:
+                    raise InputError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"this server holds {len(self._sessions)} sessions (max_sessions); "
+                                     f"session {name!r} is refused")
+                session = self._sessions[name] = Session(name, self.config, self.enforce_memory_budget)
                 self._lock.notify_all()
             return session
+
+    def enforce_memory_budget(self) -> int:
+        """Past memory_budget_bytes, free the held steps of ended sessions, least recently active first.
+
+        Returns bytes freed.  Their reports stay; sessions still streaming keep their per-rank windows.
+        """
+        with self._lock:
+            sessions = list(self._sessions.values())
+        held = sum(session.held_bytes() for session in sessions)
+        freed = 0
+        for session in sorted(sessions, key=lambda s: s.last_active):
+            if held - freed <= self.config.memory_budget_bytes:
+                break
+            released = session.release_held_steps()
+            if released:
+                logger.warning("session %s: freed %d bytes of held steps (its runs have ended; memory_budget_bytes)",
+                               session.name, released)
+            freed += released
+        return freed
 
     def wait_for(self, name: str, timeout: float) -> Session | None:
         """The session, once a stream creates it (None after ``timeout`` seconds); never creates one."""

@@ -83,6 +83,19 @@ class RankAligner:
     def pending_steps(self, run: str) -> int:
         return len(self._runs[run].steps) if run in self._runs else 0
 
+    def held_bytes(self) -> int:
+        """Bytes of every run's held steps."""
+        return sum(state.nbytes for state in self._runs.values())
+
+    def release_all(self) -> int:
+        """Free every held step (the session's runs have ended: none can find a counterpart); returns bytes freed."""
+        freed = 0
+        for state in self._runs.values():
+            freed += state.nbytes
+            state.steps.clear()
+            state.nbytes = 0
+        return freed
+
     def take_dropped_steps(self, run: str) -> list[int]:
         """Numbers of the steps of ``run`` dropped from the window since the last call."""
         state = self._runs.get(run)

@@ -25,6 +25,7 @@ class RankView(Protocol):
     first_step: int
     last_step: int
     health: pb.CaptureHealth | None
+    silent_for: float
 
 
 class RunView(Protocol):
@@ -181,7 +182,8 @@ def _run_problems(run: RunView) -> list[str]:
         else:
             out.extend(f"{where}: {sentence}" for sentence in sentences if "whole step(s)" not in sentence)
         if state.state == "lost":
-            out.append(f"{where} lost its connection after step {state.last_step} "
+            silent = f", {state.silent_for:.1f} s after its last message" if state.silent_for >= 0 else ""
+            out.append(f"{where} lost its connection after step {state.last_step}{silent} "
                        "(the process ended or the network failed before it closed)")
     return out
 

@@ -7,16 +7,17 @@ nothing and compares nothing; the session calls it under its lock.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 import grpc
 
 from twinstep._version import SUPPORTED_PROTOCOL_VERSIONS
-from twinstep.server.ingest.manifest import Manifest
 from twinstep.server.compare.tolerance import PRECISIONS
 from twinstep.server.connection import Connection
 from twinstep.server.errors import InputError, invalid
+from twinstep.server.ingest.manifest import Manifest
 from twinstep.v1 import twinstep_pb2 as pb
 
 ENDED = ("finished", "halted", "lost")
@@ -44,6 +45,10 @@ class RankState:
     """What the client could not capture (its latest cumulative snapshot)."""
     warnings: list[str] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
+    last_heard: float = 0.0
+    """time.monotonic() of its stream's last message."""
+    silent_for: float = -1.0
+    """When lost: seconds between its last message and the end of its stream (-1: not lost)."""
 
     def merge_dropped(self, counts: Mapping[str, int]) -> None:
         """Cumulative counters from the client: keep the largest seen (messages may come in any order)."""
@@ -121,8 +126,9 @@ def check_hello(hello: pb.Hello) -> str:
 class Membership:
     """The runs of one session."""
 
-    def __init__(self, session: str) -> None:
+    def __init__(self, session: str, max_runs: int = 16) -> None:
         self.session = session
+        self.max_runs = max_runs
         self.runs: dict[str, RunState] = {}
         self.baseline: str | None = None
 
@@ -154,6 +160,10 @@ class Membership:
                 f"join {hello.run!r} as a candidate (baseline=False) or use another session",
             )
         if run is None:
+            if len(self.runs) >= self.max_runs:
+                raise InputError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"session {self.session!r} already holds {len(self.runs)} runs (max_runs_per_session); "
+                                 f"run {hello.run!r} is refused")
             run = RunState(name=hello.run, baseline=hello.baseline, framework=hello.framework,
                            framework_version=hello.framework_version, world_size=hello.world_size,
                            capture=hello.capture, max_lead=hello.max_lead, reference=hello.reference,
@@ -177,6 +187,8 @@ class Membership:
             rank_state.connection.finish()  # a reconnect whose old stream is not yet known dead: the newest wins
         rank_state.connection = conn
         rank_state.state = "streaming"
+        rank_state.last_heard = time.monotonic()
+        rank_state.silent_for = -1.0
         rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
         rank_state.warnings = [w[:MAX_TEXT] for w in hello.warnings[:MAX_WARNINGS]]
         rank_state.environment = {k[:64]: v[:MAX_TEXT] for k, v in list(hello.environment.items())[:_MAX_ENVIRONMENT]}
@@ -202,6 +214,7 @@ class Membership:
         rank_state.connection = None
         if not conn.closed_cleanly:
             rank_state.state = "lost"
+            rank_state.silent_for = time.monotonic() - rank_state.last_heard
         return run
 
     def close(self, conn: Connection, message: pb.Close) -> None:
