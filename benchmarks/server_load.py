@@ -16,11 +16,15 @@ Why each part is built the way it is:
   GetReport (steps compared on every rank) x ranks x records per step, read
   after a warm-up and again at the end of ``--seconds``.  MB/s is the wire
   size of the steps the server acknowledged (both runs) over the same window.
+  "Per server core" divides by the server's CPU time (all its threads, gRPC's
+  included) over that window: the figure that does not depend on how much of
+  a shared machine the load generators take.  The RESULT line repeats both.
 * Latency runs on a second server with --halt-on-divergence, unloaded: the
   time from putting the candidate's step K on the wire to (a) a Watch stream
   seeing the Divergence event and (b) each run's stream seeing Command HALT.
-* The profile runs decode_step + compare_step in this process under cProfile,
-  so one can see whether per-record Python (not numpy) dominates a step.
+* The profile runs decode_step + compare_step + the per-step detection (first
+  divergence, headroom) in this process, timed and then under cProfile, so one
+  can see whether per-record Python (not numpy) dominates a step.
 
 The machine may be small and shared: the figures are provisional.
 """
@@ -411,6 +415,7 @@ def throughput(args: argparse.Namespace, log: str) -> None:
     records_s = pairs * args.records / dt
     mb_s = (a1 - a0) * step_bytes / dt / 1e6
     streams = sum(streams_per)
+    busy = (cpu1 - cpu0) / dt  # server cores busy (all its threads, gRPC's included)
     print(f"\n== throughput: {args.sessions} sessions x {args.ranks} ranks x 2 runs = {streams} streams, "
           f"{len(shards)} client processes, {args.records} records/step ({step_bytes / 1e3:.1f} kB on the wire"
           f"{', tensors of 1-D params' if args.tensors else ', stats only'}), {dt:.1f} s measured after {warmup:.0f} s warm-up")
@@ -418,16 +423,19 @@ def throughput(args: argparse.Namespace, log: str) -> None:
         ("rank-steps compared (pairs)", f"{pairs}"),
         ("steps received (both runs)", f"{a1 - a0}"),
         ("records compared / s", f"{records_s:,.0f}"),
+        ("records compared / s per server core", f"{records_s / max(busy, 1e-9):,.0f}"),
         ("step pairs compared / s", f"{pairs / dt:,.1f}"),
         ("MB/s received by server", f"{mb_s:.2f}"),
-        ("server CPU (cores busy)", f"{(cpu1 - cpu0) / dt:.2f}"),
+        ("server CPU (cores busy)", f"{busy:.2f}"),
         ("server CPU ms per step pair", f"{1e3 * (cpu1 - cpu0) / max(pairs, 1):.2f}"),
         ("server CPU us per record pair", f"{1e6 * (cpu1 - cpu0) / max(pairs * args.records, 1):.2f}"),
         ("server VmRSS start / end (MB)", f"{rss0['VmRSS'] / 1024:.0f} / {rss1['VmRSS'] / 1024:.0f}"),
         ("server VmHWM end (MB)", f"{rss1['VmHWM'] / 1024:.0f}"),
     ]
     for name, value in rows:
-        print(f"  {name:<34} {value:>16}")
+        print(f"  {name:<38} {value:>16}")
+    print(f"RESULT records/s: {records_s:,.0f} compared, {records_s / max(busy, 1e-9):,.0f} per server core "
+          f"({busy:.2f} cores busy)")
 
 
 # -- latency phase ------------------------------------------------------------------------------
@@ -515,9 +523,23 @@ def latency(args: argparse.Namespace, log: str) -> None:
 # -- profile -------------------------------------------------------------------------------------
 
 
+class _Detect:
+    """What the session runs on every compared step after compare_step: first divergence and headroom."""
+
+    def __init__(self, tracker, headroom) -> None:
+        self.tracker, self.headroom = tracker, headroom
+
+    def __call__(self, comparison) -> None:
+        self.tracker.add(comparison)
+        self.headroom.add(comparison)
+
+
 def profile(sizes: list[int], top: int = 10) -> None:
-    """decode_step (both runs) + compare_step on one realistic step, in this process."""
+    """decode_step + compare_step + the per-step detection (first divergence, headroom) on one realistic
+    step, in this process."""
     from twinstep.server.compare.comparator import CompareContext, compare_step
+    from twinstep.server.detect.first_divergence import FirstDivergenceTracker
+    from twinstep.server.detect.headroom import HeadroomTracker
     from twinstep.server.compare.mapping import NameMapping
     from twinstep.server.compare.plan import PlanCache
     from twinstep.server.compare.tolerance import ToleranceConfig
@@ -536,27 +558,34 @@ def profile(sizes: list[int], top: int = 10) -> None:
         base, cand = decode_step(base_msg, manifest), decode_step(cand_msg, manifest)
         result = compare_step(base, cand, ctx)
         assert len(result.rows) == n and result.first is None, (len(result.rows), result.first)
-        iterations = max(5, 20_000 // n)
-        timings = {"decode_step": 0.0, "compare_step": 0.0}
+        iterations = max(20, 200_000 // n)
+        detect = _Detect(FirstDivergenceTracker(), HeadroomTracker())
+
+        timings = {"decode_step": 0.0, "compare_step": 0.0, "detect": 0.0}
         for _ in range(iterations):
             t = time.perf_counter()
             base = decode_step(base_msg, manifest)
             timings["decode_step"] += time.perf_counter() - t
             t = time.perf_counter()
-            compare_step(base, cand, ctx)
+            result = compare_step(base, cand, ctx)
             timings["compare_step"] += time.perf_counter() - t
+            t = time.perf_counter()
+            detect(result)
+            timings["detect"] += time.perf_counter() - t
+        total = sum(timings.values())
         print(f"\n== profile: {n} records/step, {iterations} iterations (no profiler): "
-              + ", ".join(f"{k} {1e3 * v / iterations:.2f} ms ({1e6 * v / iterations / n:.2f} us/record)" for k, v in timings.items()))
+              + ", ".join(f"{k} {1e3 * v / iterations:.3f} ms ({1e6 * v / iterations / n:.3f} us/record)" for k, v in timings.items())
+              + f"; together {n * iterations / total:,.0f} records/s on one core")
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(iterations):
-            compare_step(decode_step(base_msg, manifest), cand, ctx)
+            detect(compare_step(decode_step(base_msg, manifest), cand, ctx))
         profiler.disable()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
         lines = out.getvalue().splitlines()
         start = next(i for i, line in enumerate(lines) if "ncalls" in line)
-        print(f"  top {top} by own time (decode_step + compare_step, cProfile):")
+        print(f"  top {top} by own time (decode_step + compare_step + detect, cProfile):")
         for line in lines[start:start + top + 1]:
             print("  " + line.replace(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + "/", ""))
 

@@ -22,6 +22,7 @@ from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.capture.health import describe_error
 from twinstep.errors import Halted
 from twinstep.transport import ClientStats, Sender, StreamClient, StreamConfig
+from twinstep.transport.security import ClientSecurity
 from twinstep.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
 from twinstep.transport.sidecar import SidecarClient
 from twinstep.v1 import twinstep_pb2 as pb
@@ -256,6 +257,11 @@ def attach(
     compression: str = "auto",
     sender: str = "auto",
     start_step: int = 0,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_client_cert: str | None = None,
+    tls_client_key: str | None = None,
+    insecure: bool | None = None,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -300,6 +306,19 @@ def attach(
             resumed from a checkpoint, or attached after some steps, numbers its
             steps as the baseline does.  The server reports the steps before it
             as not compared.
+        token: the session's (or the operator's) token, sent as 'authorization:
+            Bearer TOKEN'; defaults to ``$TWINSTEP_TOKEN``.  A server that
+            refuses it ends capture with one error log; training continues.
+        tls_ca: PEM file of the CA, or the server's self-signed certificate, to
+            trust; defaults to ``$TWINSTEP_TLS_CA`` (then the system's CAs).
+        tls_client_cert, tls_client_key: PEM files for a server that asks for
+            client certificates (mutual TLS); default to
+            ``$TWINSTEP_TLS_CLIENT_CERT`` and ``$TWINSTEP_TLS_CLIENT_KEY``.
+        insecure: plaintext to a server that is not on a loopback address
+            (default ``$TWINSTEP_INSECURE``).  Without TLS settings a loopback
+            server is reached in plaintext and any other one over TLS.
+            An empty string for a file or token means none (the environment
+            is not read).
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -316,6 +335,8 @@ def attach(
         raise ValueError(f"sender must be 'auto', 'thread' or 'process', got {sender!r}")
     if sender == "process" and not SHARED_MEMORY_AVAILABLE:
         raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
+    security = ClientSecurity.resolve(token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
+                                      tls_client_key=tls_client_key, insecure=insecure)
     resolved_rank = rank if rank is not None else _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
     resolved_world = world_size if world_size is not None else _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
     if not 0 <= resolved_rank < resolved_world:
@@ -337,7 +358,7 @@ def attach(
         lockstep=lockstep,
         lockstep_timeout=lockstep_timeout,
         stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes,
-                            compression=compression),
+                            compression=compression, **security.as_dict()),
         sender=sender,
         start_step=start_step,
     )

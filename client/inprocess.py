@@ -70,8 +70,9 @@ def compare(
             (model_a, backend_a, inputs_a, loss_a, "a", True),
             (model_b, backend_b, inputs_b, loss_b, "b", False),
         ):
+            # The embedded server is plaintext and open on loopback: the user's TWINSTEP_TOKEN/TLS settings are not for it.
             mon = attach(model, session=session, run=name, baseline=baseline, server=handle.address, capture=capture,
-                         backward=not isolate)
+                         backward=not isolate, token="", tls_ca="", tls_client_cert="", tls_client_key="")
             output = model(*inputs)
             loss = loss_fn(output) if loss_fn else _default_loss(backend, output)
             if not isolate:

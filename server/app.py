@@ -13,6 +13,7 @@ from twinstep.server.compare.comparator import StepComparison
 from twinstep.server.config import ServerConfig
 from twinstep.server.report.builder import build_report
 from twinstep.server.report.render import report_to_dict
+from twinstep.server.security import ServerSecurity
 from twinstep.server.servicer import TwinstepServicer, add_servicer
 from twinstep.server.session import SessionRegistry
 from twinstep.v1 import twinstep_pb2 as pb
@@ -23,12 +24,15 @@ logger = logging.getLogger("twinstep.server")
 class ServerHandle:
     """A running server: its address, reports, and a bounded stop."""
 
-    def __init__(self, server: grpc.Server, port: int, host: str, registry: SessionRegistry, stopping: threading.Event) -> None:
+    def __init__(self, server: grpc.Server, port: int, host: str, registry: SessionRegistry, stopping: threading.Event,
+                 tls: bool = False) -> None:
         self._server = server
         self._stopping = stopping
         self.port = port
         self.host = host
         self.registry = registry
+        self.tls = tls
+        """Connections are TLS (clients need to trust the certificate: TWINSTEP_TLS_CA)."""
 
     @property
     def address(self) -> str:
@@ -79,9 +83,23 @@ def serve(
     host: str = "127.0.0.1",
     config: ServerConfig | None = None,
     halt_on_divergence: bool | None = None,
+    *,
+    security: ServerSecurity | None = None,
+    insecure: bool | None = None,
 ) -> ServerHandle:
-    """Start a server in this process; ``port=0`` picks a free port (see ``.address``)."""
+    """Start a server in this process; ``port=0`` picks a free port (see ``.address``).
+
+    ``security`` holds TLS files and tokens (twinstep.server.security); without
+    it the server is plaintext and open, which the loopback rule allows only on
+    a loopback ``host`` unless ``insecure=True``.  ValueError when the rule or a
+    file says no.
+    """
     config = config or ServerConfig()
+    security = security or ServerSecurity()
+    if insecure is not None:
+        security.insecure = insecure
+    security.check_exposure(host)
+    credentials = security.credentials()
     if halt_on_divergence is not None:
         config.halt_on_divergence = halt_on_divergence
     registry = SessionRegistry(config)
@@ -98,10 +116,15 @@ def serve(
             ("grpc.keepalive_permit_without_calls", 1),
         ],
     )
-    add_servicer(TwinstepServicer(registry, stopping), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    add_servicer(TwinstepServicer(registry, stopping, security.authorizer()), server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()
-    logger.info("twinstep server listening on %s:%d", host, bound)
-    return ServerHandle(server, bound, host, registry, stopping)
+    logger.info("twinstep server listening on %s:%d (%s%s)", host, bound, "TLS" if credentials else "plaintext",
+                ", client certificates required" if security.tls_client_ca else "")
+    return ServerHandle(server, bound, host, registry, stopping, tls=credentials is not None)

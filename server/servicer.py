@@ -11,8 +11,9 @@ import grpc
 
 from twinstep.server.connection import Connection, StreamEnd, StreamFailure
 from twinstep.server.errors import InputError, invalid
-from twinstep.server.ingest.wire import ReceivedPiece, parse_client_message
+from twinstep.server.ingest.wire import ReceivedPiece, Unreadable, parse_client_message
 from twinstep.server.report.builder import build_report
+from twinstep.server.security import Authorizer, Caller, Denied
 from twinstep.server.session import Session, SessionRegistry
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
@@ -22,17 +23,20 @@ _POLL = 0.5
 
 
 class TwinstepServicer(pb_grpc.TwinstepServicer):
-    def __init__(self, registry: SessionRegistry, stopping: threading.Event) -> None:
+    def __init__(self, registry: SessionRegistry, stopping: threading.Event, auth: Authorizer | None = None) -> None:
         self.registry = registry
         self._stopping = stopping
+        self.auth = auth or Authorizer()  # no tokens: open
 
     # -- training processes -------------------------------------------------------
 
     def Stream(self, request_iterator: Iterator[pb.ClientMessage | ReceivedPiece], context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
+        # The token is checked before anything is read; its session once the hello names one.
+        caller = self.auth.authorize(context, "stream", check=False)
         conn = Connection(context.peer(), self.registry.config.window_bytes)
         context.add_callback(conn.finish)  # the client left: stop yielding
         reader = threading.Thread(
-            target=self._read, args=(request_iterator, conn), name="twinstep-stream-reader", daemon=True
+            target=self._read, args=(request_iterator, conn, caller), name="twinstep-stream-reader", daemon=True
         )
         reader.start()
         while True:
@@ -47,10 +51,13 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                 return
             yield item
 
-    def _read(self, requests: Iterator[pb.ClientMessage | ReceivedPiece], conn: Connection) -> None:
+    def _read(self, requests: Iterator[pb.ClientMessage | ReceivedPiece], conn: Connection, caller: Caller) -> None:
         session: Session | None = None
         try:
             for message in requests:
+                if isinstance(message, Unreadable):
+                    raise invalid(f"a message of {message.nbytes} bytes is not a twinstep ClientMessage "
+                                  f"({message.reason}); is the client twinstep of the same protocol?")
                 if isinstance(message, ReceivedPiece):  # parsed without copying its payload (ingest.wire)
                     if session is None:
                         raise InputError(grpc.StatusCode.FAILED_PRECONDITION, "first message must be hello, got tensor")
@@ -61,6 +68,8 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                     if kind != "hello":
                         raise InputError(grpc.StatusCode.FAILED_PRECONDITION, f"first message must be hello, got {kind or 'an empty message'}")
                     hello = message.hello
+                    # Before the session is created or joined: a token for another session creates nothing.
+                    self.auth.check(caller, "stream", hello.session)
                     conn.session, conn.run, conn.rank = hello.session, hello.run, hello.rank  # for log lines
                     joining = self.registry.get_or_create(hello.session)
                     conn.send(joining.join(conn, hello))
@@ -82,6 +91,9 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                 else:
                     raise invalid("empty client message")
             conn.finish()
+        except Denied as denied:
+            self.auth.note(conn.peer, "stream", denied)
+            conn.fail(denied.code, denied.message)
         except InputError as error:
             label = conn.label if conn.session else conn.peer
             logger.warning("rejected stream %s: %s", label, error.message)
@@ -103,6 +115,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
     # -- observers ------------------------------------------------------------------------
 
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        self.auth.authorize(context, "watch", request.session)
         if not request.session:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "watch needs a session name")
         # Watching a session that no stream has named yet waits for it; it never creates it.
@@ -129,15 +142,16 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
             session.events.unsubscribe(events)
 
     def GetReport(self, request: pb.ReportRequest, context: grpc.ServicerContext) -> pb.Report:
+        caller = self.auth.authorize(context, "report", request.session)
         session = self.registry.get(request.session)
         if session is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no session {request.session!r} on this server (sessions: {', '.join(self.registry.names()) or 'none'})",
-            )
+            # Other sessions' names are the operator's to see.
+            names = f" (sessions: {', '.join(self.registry.names()) or 'none'})" if caller.operator else ""
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server{names}")
         return build_report(session.snapshot())
 
     def Halt(self, request: pb.HaltRequest, context: grpc.ServicerContext) -> pb.HaltResponse:
+        self.auth.authorize(context, "halt", request.session)
         session = self.registry.get(request.session)
         if session is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server")

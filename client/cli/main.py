@@ -27,6 +27,12 @@ def _server_arg(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("TWINSTEP_SERVER", _DEFAULT_SERVER),
         help="server address host:port (default: $TWINSTEP_SERVER or %(default)s)",
     )
+    parser.add_argument("--token", help="session or operator token (default: $TWINSTEP_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="CA or self-signed certificate to trust (default: $TWINSTEP_TLS_CA)")
+    parser.add_argument("--tls-client-cert", metavar="FILE", help="client certificate for mutual TLS (default: $TWINSTEP_TLS_CLIENT_CERT)")
+    parser.add_argument("--tls-client-key", metavar="FILE", help="its key (default: $TWINSTEP_TLS_CLIENT_KEY)")
+    parser.add_argument("--insecure", action="store_true", default=None,
+                        help="plaintext to a server that is not on loopback (default: $TWINSTEP_INSECURE)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--release-freed-memory", action="store_true",
                        help="let the allocator return freed memory to the OS: a smaller resident size after bursts, "
                             "at the cost of page faults on every tensor piece (see twinstep.server.memory)")
+    tls = serve.add_argument_group("security (README: Security)")
+    tls.add_argument("--tls-cert", metavar="FILE", help="PEM certificate the server presents (default: $TWINSTEP_TLS_CERT)")
+    tls.add_argument("--tls-key", metavar="FILE", help="its PEM private key (default: $TWINSTEP_TLS_KEY)")
+    tls.add_argument("--tls-client-ca", metavar="FILE",
+                     help="require client certificates signed by this CA: mutual TLS (default: $TWINSTEP_TLS_CLIENT_CA)")
+    tls.add_argument("--self-signed", metavar="DIR",
+                     help="use DIR/server.crt and DIR/server.key, generating a self-signed pair there first if absent")
+    tls.add_argument("--operator-token", metavar="TOKEN",
+                     help="token that may do everything, halt included (default: $TWINSTEP_OPERATOR_TOKEN)")
+    tls.add_argument("--session-token", metavar="SESSION=TOKEN", action="append", default=[],
+                     help="token for one session's jobs and watchers (repeatable)")
+    tls.add_argument("--tokens-file", metavar="FILE",
+                     help="SESSION=TOKEN lines, # comments (default: $TWINSTEP_TOKENS_FILE)")
+    tls.add_argument("--insecure", action="store_true", default=None,
+                     help="allow plaintext or no tokens on a non-loopback --host (default: $TWINSTEP_INSECURE)")
 
     watch = sub.add_parser("watch", help="print live progress and alerts of a session")
     watch.add_argument("session")
@@ -80,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"serve": _serve, "watch": _watch, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo}[args.command](args)
     except grpc.RpcError as error:
-        print(f"twinstep {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+        from twinstep.transport.security import explain
+
+        details = error.details() or ""
+        print(f"twinstep {args.command}: {error.code().name}: {details}{explain(details)}", file=sys.stderr)
         return 2
     except ValueError as error:
         print(f"twinstep {args.command}: {error}", file=sys.stderr)
@@ -94,10 +118,17 @@ def _serve(args: argparse.Namespace) -> int:
     from twinstep.server.memory import retain_freed_memory
 
     config = load_config(args.config) if args.config else ServerConfig()
+    security = _server_security(args)
     if not args.release_freed_memory:
         retain_freed_memory()  # this process is the server's own
-    handle = serve(port=args.port, host=args.host, config=config, halt_on_divergence=args.halt_on_divergence or None)
-    print(f"twinstep server listening on {args.host}:{handle.port}", flush=True)
+    handle = serve(port=args.port, host=args.host, config=config, halt_on_divergence=args.halt_on_divergence or None,
+                   security=security)
+    print(f"twinstep server listening on {args.host}:{handle.port}"
+          f" ({'TLS' if handle.tls else 'plaintext'}{', tokens required' if security.operator_token or security.session_tokens else ''})",
+          flush=True)
+    if args.self_signed:
+        print(f"clients trust this server with: export TWINSTEP_TLS_CA={os.path.abspath(security.tls_cert or '')}",
+              flush=True)
     stop = {"requested": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -111,15 +142,48 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stub(address: str) -> tuple[grpc.Channel, pb_grpc.TwinstepStub]:
-    channel = grpc.insecure_channel(address)
-    return channel, pb_grpc.TwinstepStub(channel)
+def _server_security(args: argparse.Namespace):
+    """Flags over environment variables (twinstep.server.security.ServerSecurity.from_environment)."""
+    from twinstep.server.security import ServerSecurity, parse_session_token, read_tokens_file, self_signed
+
+    env = ServerSecurity.from_environment()
+    cert, key = args.tls_cert or env.tls_cert, args.tls_key or env.tls_key
+    if args.self_signed:
+        if args.tls_cert or args.tls_key:
+            raise ValueError("--self-signed and --tls-cert/--tls-key are exclusive")
+        cert_path, key_path = self_signed(args.self_signed, hosts=[args.host])
+        cert, key = str(cert_path), str(key_path)
+    tokens = list(env.session_tokens) if not args.tokens_file else read_tokens_file(args.tokens_file)
+    tokens += [parse_session_token(text) for text in args.session_token]
+    return ServerSecurity(
+        tls_cert=cert, tls_key=key, tls_client_ca=args.tls_client_ca or env.tls_client_ca,
+        operator_token=args.operator_token or env.operator_token, session_tokens=tokens,
+        insecure=env.insecure if args.insecure is None else args.insecure,
+    )
+
+
+class _Client:
+    """A channel to the server by the loopback rule, and the token every call carries."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from twinstep.transport.security import ClientSecurity
+
+        security = ClientSecurity.resolve(token=args.token, tls_ca=args.tls_ca, tls_client_cert=args.tls_client_cert,
+                                          tls_client_key=args.tls_client_key, insecure=args.insecure)
+        self.channel = security.channel(args.server)
+        self.stub = pb_grpc.TwinstepStub(self.channel)
+        self.metadata = security.metadata() or None
+
+    def __enter__(self) -> "_Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.channel.close()
 
 
 def _watch(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args.server)
-    with channel:
-        for event in stub.Watch(pb.WatchRequest(session=args.session)):
+    with _Client(args) as client:
+        for event in client.stub.Watch(pb.WatchRequest(session=args.session), metadata=client.metadata):
             line = format_event(event)
             if line:
                 print(line, flush=True)
@@ -172,9 +236,9 @@ def _report(args: argparse.Namespace) -> int:
         return 0
     if not args.session:
         raise ValueError("which session? twinstep report SESSION [--json]")
-    channel, stub = _stub(args.server)
-    with channel:
-        report = stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT)
+    with _Client(args) as client:
+        report = client.stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT,
+                                       metadata=client.metadata)
     if args.json:
         print(json.dumps(report_to_dict(report), indent=2))
     else:
@@ -183,9 +247,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _mapping(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args.server)
-    with channel:
-        report = stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT)
+    with _Client(args) as client:
+        report = client.stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT,
+                                       metadata=client.metadata)
     if not report.proposed_mapping:
         print("module names matched directly; no mapping was needed")
         return 0
@@ -199,9 +263,9 @@ def _mapping(args: argparse.Namespace) -> int:
 
 
 def _halt(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args.server)
-    with channel:
-        response = stub.Halt(pb.HaltRequest(session=args.session, reason=args.reason), timeout=_RPC_TIMEOUT)
+    with _Client(args) as client:
+        response = client.stub.Halt(pb.HaltRequest(session=args.session, reason=args.reason), timeout=_RPC_TIMEOUT,
+                                    metadata=client.metadata)
     print(f"halt sent to: {', '.join(response.runs) or 'no connected run'}")
     return 0
 

@@ -23,6 +23,7 @@ import grpc
 from twinstep.capture.recorder import StepBatch
 from twinstep.transport.base import POLL_SECONDS, ClientStats, Sender
 from twinstep.transport.ledger import DropLedger, at_fork_in_child
+from twinstep.transport.security import ClientSecurity, explain
 from twinstep.transport.messages import COMPRESSIONS, DEFAULT_PIECE_BYTES, TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -93,9 +94,24 @@ class StreamConfig:
     backoff_initial: float = 0.5
     """First reconnect delay in seconds; doubles up to ``backoff_max``, with jitter."""
     backoff_max: float = 10.0
+    token: str | None = None
+    """Bearer token sent with the stream (TWINSTEP_TOKEN)."""
+    tls_ca: str | None = None
+    """PEM file of the CA (or self-signed certificate) to trust; None: the system's CAs."""
+    tls_client_cert: str | None = None
+    """PEM client certificate and key, for mutual TLS."""
+    tls_client_key: str | None = None
+    insecure: bool = False
+    """Plaintext to a non-loopback server (see twinstep.transport.security for the loopback rule)."""
+
+    @property
+    def security(self) -> ClientSecurity:
+        return ClientSecurity(token=self.token, tls_ca=self.tls_ca, tls_client_cert=self.tls_client_cert,
+                              tls_client_key=self.tls_client_key, insecure=self.insecure)
 
     def __post_init__(self) -> None:
         check_target(self.target)
+        self.security.validate()
         if self.max_queue_steps < 1:
             raise ValueError("max_queue_steps must be at least 1")
         if self.compression not in COMPRESSIONS:
@@ -277,15 +293,16 @@ class StreamClient(Sender):
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
         ]
+        security = self._config.security
         while not self._stopped.is_set():
             attempt_done = threading.Event()
             try:
-                with grpc.insecure_channel(self._config.target, options=options) as channel:
+                with security.channel(self._config.target, options=options) as channel:
                     # Tensor pieces arrive serialized (see messages.py); everything else is a message.
                     stream = channel.stream_stream(
                         _STREAM_METHOD, request_serializer=_to_wire, response_deserializer=pb.ServerMessage.FromString
                     )
-                    call = stream(self._requests(attempt_done))
+                    call = stream(self._requests(attempt_done), metadata=security.metadata() or None)
                     with self._cond:
                         self._call = call
                     for response in call:
@@ -309,7 +326,7 @@ class StreamClient(Sender):
                         "up to %d steps are kept and older ones dropped; reconnecting in the background",
                         self._config.target,
                         code.name,
-                        details,
+                        details + explain(details, security.uses_tls(self._config.target)),
                         self._config.max_queue_steps,
                     )
             except Exception:  # a bug here must not take the training down

@@ -8,17 +8,19 @@ and the fused module, the parts combined as the fused rule says).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from twinstep import codec, phases, stats
+from twinstep import codec, phases
 from twinstep.server.compare import layout, metrics, sketch
 from twinstep.server.compare.join import Pair, RecordLabel, group_name
 from twinstep.server.compare.lossy import ELEMENTWISE
 from twinstep.server.compare.mapping import FusedRule, NameMapping
-from twinstep.server.compare.plan import PlanCache, build_plan, gather
+from twinstep.server.compare.plan import JoinPlan, PlanCache, build_plan, gather
 from twinstep.server.compare.tolerance import METRICS, ToleranceConfig
 from twinstep.server.ingest.step import StepData
 
@@ -50,12 +52,129 @@ class Row:
     """The arithmetic the tolerance was taken for (the less precise side's; see effective_dtype)."""
 
 
+class Rows(Sequence[Row]):
+    """The rows of one compared step, held as arrays (the join plan's static part plus the step's verdict).
+
+    A ``Row`` object is made when first read and kept, so a row read twice is the
+    same object (``rows[k] is rows[k]``; ``rows.index(row)`` finds it by identity);
+    iterating makes them all.  Detectors read the arrays, so a step whose rows
+    nobody reads (most of them) makes none.
+    """
+
+    __slots__ = ("_all", "_first", "_lock", "_made", "divergent", "metric", "noise", "plan", "scale", "tolerance",
+                 "value")
+
+    def __init__(self, plan: JoinPlan, metric: np.ndarray, value: np.ndarray, tolerance: np.ndarray,
+                 divergent: np.ndarray, scale: np.ndarray, noise: np.ndarray | None) -> None:
+        self.plan = plan
+        self.metric = metric
+        """Index into METRICS of each row's worst metric (the most exceeded one if any is)."""
+        self.value = value
+        self.tolerance = tolerance
+        """Value and tolerance of that metric."""
+        self.divergent = divergent
+        self.scale = scale
+        self.noise = noise
+        """The baseline's own run-to-run value of that metric; None when no noise bands were used (-1 each)."""
+        self._made: dict[int, Row] = {}
+        self._all: list[Row] | None = None
+        self._first: int | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    @overload
+    def __getitem__(self, k: int) -> Row: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[Row]: ...
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return self.materialize()[k]
+        if self._all is not None:
+            return self._all[k]
+        n = len(self)
+        k = int(k)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError("row index out of range")
+        row = self._made.get(k)
+        if row is None:
+            with self._lock:
+                row = self._made.get(k)
+                if row is None:
+                    row = self._made[k] = self._make(k)
+        return row
+
+    def _make(self, k: int) -> Row:
+        phase, name, cand_name, type_, call, slot, ndim, dtype = self.plan.static_rows[k]
+        noise = -1.0 if self.noise is None else self.noise[k].item()
+        return Row(phase, name, cand_name, type_, call, slot, METRICS[int(self.metric[k])], self.value[k].item(),
+                   self.tolerance[k].item(), bool(self.divergent[k]), ndim, self.scale[k].item(), noise, dtype)
+
+    def materialize(self) -> list[Row]:
+        """Every row, as a list (made once; rows already read are kept)."""
+        rows = self._all
+        if rows is not None:
+            return rows
+        with self._lock:
+            if self._all is None:
+                n = len(self)
+                noise = [-1.0] * n if self.noise is None else self.noise.tolist()
+                made = [
+                    Row(phase, name, cand_name, type_, call, slot, METRICS[m], value, limit, bad, ndim, factor, band,
+                        dtype)
+                    for (phase, name, cand_name, type_, call, slot, ndim, dtype), m, value, limit, bad, factor, band
+                    in zip(self.plan.static_rows, self.metric.tolist(), self.value.tolist(), self.tolerance.tolist(),
+                           self.divergent.tolist(), self.scale.tolist(), noise)
+                ]
+                for k, row in self._made.items():
+                    made[k] = row
+                self._all = made
+            return self._all
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.materialize())
+
+    def __reversed__(self) -> Iterator[Row]:
+        return reversed(self.materialize())
+
+    def index(self, row: Any, start: int = 0, stop: int | None = None) -> int:
+        if stop is None and start == 0:
+            for k, made in self._made.items():  # the rows read one by one (first divergences): few
+                if made is row:
+                    return k
+        return self.materialize().index(row, start, len(self) if stop is None else stop)
+
+    def first_divergent(self) -> int:
+        """Index of the first divergent row that is not a module input; -1 if none."""
+        if self._first is None:
+            mask = self.divergent & self.plan.judged
+            k = int(mask.argmax()) if len(mask) else 0
+            self._first = k if len(mask) and mask[k] else -1
+        return self._first
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Rows):
+            other = other.materialize()
+        if isinstance(other, list):
+            return self.materialize() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.materialize())
+
+
 @dataclass
 class StepComparison:
     step: int
     rank: int
     candidate_run: str
-    rows: list[Row]  # in the baseline's record order: phase, then production order
+    rows: Sequence[Row]
+    """In the baseline's record order: phase, then production order.  A list, or (from compare_step) Rows."""
     unmatched_baseline: list[RecordLabel] = field(default_factory=list)
     unmatched_candidate: list[RecordLabel] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -69,7 +188,11 @@ class StepComparison:
     @property
     def first(self) -> Row | None:
         """The first divergent record; module inputs are evidence, never a divergence of their own."""
-        return next((row for row in self.rows if row.divergent and row.phase != "input"), None)
+        rows = self.rows
+        if isinstance(rows, Rows):
+            k = rows.first_divergent()
+            return rows[k] if k >= 0 else None
+        return next((row for row in rows if row.divergent and row.phase != "input"), None)
 
 
 @dataclass(kw_only=True)
@@ -97,15 +220,20 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     if ctx.plans is None:
         plan = build()
     else:
-        key = (base.layout, cand.layout, ctx.base_framework, ctx.cand_framework, ctx.tf32)
-        plan = ctx.plans.get(key, ctx.mapping, ctx.tolerances, build)
+        base_layout, cand_layout = base.layout, cand.layout
+        rest = (ctx.base_framework, ctx.cand_framework, ctx.tf32)
+        key = (base_layout, cand_layout, *rest)
+        # A layout's record part is one object for every step of a stream (ingest/layouts.py): found by identity.
+        alias = ((id(base_layout[0]), base_layout[1:], id(cand_layout[0]), cand_layout[1:], *rest),
+                 (base_layout[0], cand_layout[0]))
+        plan = ctx.plans.get(key, ctx.mapping, ctx.tolerances, build, alias)
     result = StepComparison(
         step=base.step,
         rank=base.rank,
         candidate_run=ctx.candidate_run,
         rows=[],
-        unmatched_baseline=_dedupe(plan.unmatched_baseline),
-        unmatched_candidate=_dedupe(plan.unmatched_candidate),
+        unmatched_baseline=list(plan.unmatched_baseline),
+        unmatched_candidate=list(plan.unmatched_candidate),
     )
     pairs = plan.pairs
     if not pairs:
@@ -113,12 +241,17 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
 
     base_table = gather(base.table, plan.gather_base)
     cand_table = gather(cand.table, plan.gather_cand)
-    values = metrics.from_statistics(base_table, cand_table)
+    from_stats, rms_b, rms_c = metrics.from_statistics_and_rms(base_table, cand_table)
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.nan_to_num(stats.rms(cand_table) / stats.rms(base_table), nan=1.0, posinf=np.inf)
-    for name in ("rel_l2", "cosine", "max_abs", "sketch_rel_l2", "sketch_cosine"):
-        values[name] = np.zeros(len(pairs))
-    values["shape"] = plan.shape_mismatch.copy()
+        # RMS are >= 0: the ratio is >= 0, +inf or NaN (0/0), never -inf.
+        scale = rms_c / rms_b
+        scale[np.isnan(scale)] = 1.0
+    # One [metric, pair] matrix; ``values`` holds its rows (views), in METRICS order.
+    value_matrix = np.zeros((len(METRICS), len(pairs)))
+    values = {m: value_matrix[c] for c, m in enumerate(METRICS)}
+    for name, column in from_stats.items():
+        values[name][:] = column
+    values["shape"][:] = plan.shape_mismatch
 
     for k in plan.fused_pairs:
         base_group, cand_group = pairs[k]
@@ -176,27 +309,20 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     result.tolerance = tolerance
     result.keys = plan.keys
 
-    value_matrix = np.stack([values[m] for m in METRICS])
     over = value_matrix > limits
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(limits > 0, value_matrix / limits, np.where(value_matrix > 0, np.inf, 0.0))
-    ratio = np.nan_to_num(ratio, nan=0.0)
+    ratio = np.nan_to_num(ratio, nan=0.0, copy=False)
     worst = np.argmax(np.where(over, np.inf, ratio), axis=0)
     # Among exceeded metrics prefer the one exceeded most.
     worst_over = np.argmax(np.where(over, ratio, -1.0), axis=0)
     divergent = over.any(axis=0)
     chosen = np.where(divergent, worst_over, worst)
     columns = np.arange(len(pairs))
-    chosen_value = value_matrix[chosen, columns].tolist()
-    chosen_tolerance = limits[chosen, columns].tolist()
-    chosen_noise = bands[chosen, columns].tolist() if bands is not None else [-1.0] * len(pairs)
-    result.rows = [
-        Row(phase, name, cand_name, type_, call, slot, METRICS[m], value, limit, bad, ndim, factor, noise, dtype)
-        for (phase, name, cand_name, type_, call, slot, ndim, dtype), m, value, limit, bad, factor, noise in zip(
-            plan.static_rows, chosen.tolist(), chosen_value, chosen_tolerance, divergent.tolist(), scale.tolist(),
-            chosen_noise,
-        )
-    ]
+    result.rows = Rows(
+        plan, chosen, value_matrix[chosen, columns], limits[chosen, columns], divergent, scale,
+        bands[chosen, columns] if bands is not None else None,
+    )
     return result
 
 
@@ -278,6 +404,3 @@ def _decode(data: StepData, index: int) -> np.ndarray:
 def _any_lossy(data: StepData, group: list[int]) -> bool:
     return any(data.payloads[x].lossy for x in group if x in data.payloads)
 
-
-def _dedupe(items: list[RecordLabel]) -> list[RecordLabel]:
-    return list(dict.fromkeys(items))

@@ -17,6 +17,12 @@ ABS_FLOOR = 1e-30
 
 def from_statistics(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """metric -> array over row-aligned records of two statistics tables."""
+    return from_statistics_and_rms(base, cand)[0]
+
+
+def from_statistics_and_rms(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]
+                            ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """:func:`from_statistics`, plus both sides' RMS (the comparator's scale factor needs them too)."""
     rms_b, rms_c = stats.rms(base), stats.rms(cand)
     scale = np.maximum(np.maximum(rms_b, rms_c), ABS_FLOOR)
     extent = np.maximum(np.maximum(base["abs_max"], cand["abs_max"]), ABS_FLOOR)
@@ -32,8 +38,10 @@ def from_statistics(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
             ).astype(np.float64),
         }
     for name in ("rms", "mean", "extrema"):
-        out[name] = np.nan_to_num(out[name], nan=np.inf, posinf=np.inf)
-    return out
+        # Differences over positive scales: >= 0, +inf or NaN (never -inf); NaN counts as infinitely far.
+        values = out[name]
+        values[np.isnan(values)] = np.inf
+    return out, rms_b, rms_c
 
 
 def from_tensors(base: np.ndarray, cand: np.ndarray) -> dict[str, float]:

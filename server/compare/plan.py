@@ -12,7 +12,7 @@ tensors or sketches.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -38,11 +38,13 @@ class JoinPlan:
     fused_rules: dict[int, FusedRule]
     unmatched_baseline: list[RecordLabel]
     unmatched_candidate: list[RecordLabel]
+    """Each listed once, in order."""
     base_index: np.ndarray
     """First baseline record of each pair."""
-    gather_base: tuple[np.ndarray, np.ndarray | None]
-    gather_cand: tuple[np.ndarray, np.ndarray | None]
-    """(flat record indices, reduceat starts or None when every group has one record)."""
+    gather_base: tuple[np.ndarray | slice, np.ndarray | None]
+    gather_cand: tuple[np.ndarray | slice, np.ndarray | None]
+    """(flat record indices, reduceat starts or None when every group has one record); the indices are
+    ``slice(None)`` when every record pairs, one to one and in order (a view, no copy)."""
     names: list[str]
     keys: list[Key]
     static_rows: list[tuple[Any, ...]]
@@ -59,6 +61,12 @@ class JoinPlan:
     """Configured tolerance [len(METRICS), pairs], before noise bands."""
     bandable: np.ndarray
     """[len(METRICS), pairs]: where a noise band may replace the configured tolerance."""
+    phases: list[str]
+    """Phase name of each pair (the baseline record's)."""
+    judged: np.ndarray
+    """Pairs that can be a divergence of their own (module inputs are evidence only)."""
+    derived: dict[str, Any] = field(default_factory=dict)
+    """What consumers of comparisons compute once per plan (per-phase index groups, masks), by consumer."""
 
 
 class PlanCache:
@@ -73,7 +81,10 @@ class PlanCache:
 
     def __init__(self, size: int = MAX_PLANS) -> None:
         self._size = size
-        self._plans: OrderedDict[tuple, list[tuple[NameMapping, ToleranceConfig, JoinPlan]]] = OrderedDict()
+        self._plans: OrderedDict[_Hashed, list[tuple[NameMapping, ToleranceConfig, JoinPlan]]] = OrderedDict()
+        # alias -> (anchors, key): a key found by the identity of its large parts, not hashed in full each step.
+        self._aliases: dict[tuple, tuple[tuple, _Hashed]] = {}
+        self._keys: dict[_Hashed, _Hashed] = {}  # each key of _plans to itself: aliases share it (identity is fast)
         self.hits = 0
         self.misses = 0
 
@@ -81,24 +92,62 @@ class PlanCache:
         return sum(len(entries) for entries in self._plans.values())
 
     def get(self, key: tuple, mapping: NameMapping, tolerances: ToleranceConfig,
-            build: Callable[[], JoinPlan]) -> JoinPlan:
-        """The plan for ``key`` under ``mapping`` and ``tolerances``, built on a miss."""
-        entries = self._plans.get(key)
+            build: Callable[[], JoinPlan], alias: tuple[tuple, tuple] | None = None) -> JoinPlan:
+        """The plan for ``key`` under ``mapping`` and ``tolerances``, built on a miss.
+
+        ``alias``: (cheap key, anchors), where the cheap key is ``key`` with its large parts (the
+        anchors, objects that stay the same from step to step) replaced by their ``id``.  A key met
+        before under the same anchors is then found without hashing it again; the anchors are held
+        and compared by identity, so an alias never stands for another key.
+        """
+        hashed = None
+        if alias is not None:
+            cheap, anchors = alias
+            known = self._aliases.get(cheap)
+            if known is not None and len(known[0]) == len(anchors) and all(
+                    a is b for a, b in zip(known[0], anchors)):
+                hashed = known[1]
+        if hashed is None:
+            hashed = _Hashed(key)
+            hashed = self._keys.get(hashed, hashed)
+            if alias is not None:
+                if len(self._aliases) >= 4 * self._size:
+                    self._aliases.clear()
+                self._aliases[alias[0]] = (alias[1], hashed)
+        entries = self._plans.get(hashed)
         if entries is not None:
-            self._plans.move_to_end(key)
+            self._plans.move_to_end(hashed)
             for known_mapping, known_tolerances, plan in entries:
                 if known_mapping is mapping and known_tolerances is tolerances:
                     self.hits += 1
                     return plan
         plan = build()
         self.misses += 1
-        self._plans.setdefault(key, []).append((mapping, tolerances, plan))
+        self._plans.setdefault(hashed, []).append((mapping, tolerances, plan))
+        self._keys.setdefault(hashed, hashed)
         while len(self) > self._size:
-            oldest = next(iter(self._plans.values()))
+            oldest_key, oldest = next(iter(self._plans.items()))
             oldest.pop(0)
             if not oldest:
                 self._plans.popitem(last=False)
+                self._keys.pop(oldest_key, None)
         return plan
+
+
+class _Hashed:
+    """A plan key with its hash computed once (a layout key is a large tuple); equal as the key is."""
+
+    __slots__ = ("_hash", "key")
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self._hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Hashed) and (self is other or (self._hash == other._hash and self.key == other.key))
 
 
 def build_plan(
@@ -154,11 +203,11 @@ def build_plan(
     return JoinPlan(
         pairs=pairs,
         fused_rules=fused_rules,
-        unmatched_baseline=unmatched_baseline,
-        unmatched_candidate=unmatched_candidate,
+        unmatched_baseline=list(dict.fromkeys(unmatched_baseline)),
+        unmatched_candidate=list(dict.fromkeys(unmatched_candidate)),
         base_index=base_index,
-        gather_base=_gather_index([g for g, _ in pairs]),
-        gather_cand=_gather_index([g for _, g in pairs]),
+        gather_base=_gather_index([g for g, _ in pairs], len(base)),
+        gather_cand=_gather_index([g for _, g in pairs], len(cand)),
         names=names,
         keys=keys,
         static_rows=static_rows,
@@ -168,12 +217,16 @@ def build_plan(
         sketch_pairs=sketch_pairs,
         limits=limits,
         bandable=~exact & np.isfinite(limits),
+        phases=[key[0] for key in keys],
+        judged=np.array([key[0] != "input" for key in keys], dtype=bool),
     )
 
 
-def _gather_index(groups: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
+def _gather_index(groups: list[list[int]], records: int) -> tuple[np.ndarray | slice, np.ndarray | None]:
     flat = np.fromiter((i for g in groups for i in g), dtype=np.int64)
     if len(flat) == len(groups):
+        if len(flat) == records and np.array_equal(flat, np.arange(records)):
+            return slice(None), None
         return flat, None
     return flat, np.cumsum([0] + [len(g) for g in groups[:-1]]).astype(np.int64)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from twinstep.phases import step_position
-from twinstep.server.compare.comparator import Row, StepComparison
+import numpy as np
+
+from twinstep.server.compare.comparator import Row, Rows, StepComparison
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.stage import describe
 from twinstep.v1 import twinstep_pb2 as pb
@@ -63,10 +65,10 @@ class FirstDivergenceTracker:
 
     def add(self, comparison: StepComparison) -> None:
         self._compared.setdefault(comparison.candidate_run, {}).setdefault(comparison.step, set()).add(comparison.rank)
-        params = [(r.value / r.tolerance, r.name) for r in comparison.rows if r.phase == "param" and r.tolerance > 0]
-        if params:
+        closest = _closest_param(comparison)
+        if closest is not None:
             steps = self._param_headroom.setdefault(comparison.candidate_run, {})
-            steps[comparison.step] = max([*params, steps.get(comparison.step, (0.0, ""))])
+            steps[comparison.step] = max(closest, steps.get(comparison.step, (0.0, "")))
         row = comparison.first
         if row is None or comparison.candidate_run in self.declared:
             return
@@ -101,3 +103,26 @@ class FirstDivergenceTracker:
             (sum(1 for ranks in steps.values() if len(ranks) >= world_size) for steps in self._compared.values()),
             default=0,
         )
+
+
+def _closest_param(comparison: StepComparison) -> tuple[float, str] | None:
+    """The largest (value / tolerance, name) among parameter rows with a tolerance, or None without any."""
+    rows = comparison.rows
+    if isinstance(rows, Rows):
+        plan = rows.plan
+        params = plan.derived.get("param_rows")
+        if params is None:
+            params = plan.derived["param_rows"] = np.flatnonzero(np.array([p == "param" for p in plan.phases], bool))
+        tolerance = rows.tolerance[params]
+        has = tolerance > 0
+        if not has.any():
+            return None
+        params = params[has]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            ratio = rows.value[params] / tolerance[has]
+        if not np.isnan(ratio).any():  # (NaN orders as Python's max sees it: below)
+            best = ratio.max()
+            names = [plan.static_rows[k][1] for k in params[ratio == best].tolist()]
+            return (best.item(), max(names))
+    candidates = [(r.value / r.tolerance, r.name) for r in rows if r.phase == "param" and r.tolerance > 0]
+    return max(candidates) if candidates else None

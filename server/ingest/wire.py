@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
 from twinstep.v1 import twinstep_pb2 as pb
 
 _TENSOR_TAG = (pb.ClientMessage.DESCRIPTOR.fields_by_name["tensor"].number << 3) | 2
@@ -27,13 +29,28 @@ class ReceivedPiece:
     data: memoryview
 
 
-def parse_client_message(buffer: bytes) -> pb.ClientMessage | ReceivedPiece:
+@dataclass(frozen=True)
+class Unreadable:
+    """Bytes that are no ClientMessage: the stream reader refuses them with INVALID_ARGUMENT.
+
+    A deserializer that raises makes gRPC answer INTERNAL ("Exception deserializing
+    request"), which says the server failed; this says the client did.
+    """
+
+    nbytes: int
+    reason: str
+
+
+def parse_client_message(buffer: bytes) -> pb.ClientMessage | ReceivedPiece | Unreadable:
     """The request deserializer of Stream (registered by twinstep.server.servicer.add_servicer)."""
     if buffer[:1] == bytes([_TENSOR_TAG]):
         piece = _parse_piece(buffer)
         if piece is not None:
             return piece
-    return pb.ClientMessage.FromString(buffer)
+    try:
+        return pb.ClientMessage.FromString(buffer)
+    except DecodeError as error:
+        return Unreadable(len(buffer), str(error) or "malformed protobuf")
 
 
 def _parse_piece(buffer: bytes) -> ReceivedPiece | None:

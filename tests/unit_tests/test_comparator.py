@@ -278,6 +278,43 @@ def test_perturbed_module_is_the_first_divergence():
     assert first.type == "Linear"
 
 
+def test_rows_are_made_on_demand_and_detectors_see_the_same_values_as_from_a_list():
+    """compare_step's rows are arrays until read; a row read twice is one object, and the detectors'
+    array paths (first divergence, parameter headroom, headroom) agree with their per-row paths."""
+    import dataclasses
+
+    from twinstep.server.compare.comparator import Rows, StepComparison
+    from twinstep.server.detect.first_divergence import FirstDivergenceTracker
+    from twinstep.server.detect.headroom import HeadroomTracker
+
+    base = decoded(model_records())
+    steps = []
+    for step, size in enumerate((1e-7, 3e-6, 1e-2)):
+        cand = decoded(model_records(perturb={"forward:layers.1": size, "param:layers.0.weight": size}), step=step)
+        steps.append(compare_step(dataclasses.replace(base, step=step), cand, ctx()))
+    fast_tracker, slow_tracker = FirstDivergenceTracker(), FirstDivergenceTracker()
+    fast_headroom, slow_headroom = HeadroomTracker(), HeadroomTracker()
+    for result in steps:
+        assert isinstance(result.rows, Rows)
+        first = result.first
+        if first is not None:
+            assert result.rows[result.rows.index(first)] is first
+        fast_tracker.add(result)
+        fast_headroom.add(result)
+        as_list = StepComparison(step=result.step, rank=result.rank, candidate_run=result.candidate_run,
+                                 rows=list(result.rows), values=result.values, tolerance=result.tolerance,
+                                 keys=result.keys)
+        assert list(result.rows) == as_list.rows and (first is None or first in as_list.rows)
+        assert [result.rows[k] for k in range(len(result.rows))] == as_list.rows
+        assert as_list.first == first
+        slow_tracker.add(as_list)
+        slow_headroom.add(as_list)
+    assert fast_tracker._param_headroom == slow_tracker._param_headroom
+    assert fast_tracker._best["cand"].key == slow_tracker._best["cand"].key
+    assert fast_headroom.to_proto("cand") == slow_headroom.to_proto("cand")
+    assert steps[-1].first.name == "layers.1"
+
+
 def test_small_noise_below_tolerance_is_not_divergent():
     records = model_records()
     noisy = model_records(perturb={"forward:layers.1": 1e-7})

@@ -13,7 +13,7 @@ from twinstep import codec
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.server import ServerConfig
 from twinstep.server.ingest.pieces import PieceCollector
-from twinstep.server.ingest.wire import ReceivedPiece, parse_client_message
+from twinstep.server.ingest.wire import ReceivedPiece, Unreadable, parse_client_message
 from twinstep.transport.messages import TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -175,8 +175,10 @@ def test_other_messages_and_malformed_pieces_go_through_protobuf():
     hello = pb.ClientMessage(hello=pb.Hello(session="s", run="r"))
     assert parse_client_message(hello.SerializeToString()) == hello
     truncated = pb.ClientMessage(tensor=pb.TensorPiece(step=1, data=b"x" * 100)).SerializeToString()[:-10]
-    with pytest.raises(DecodeError):
-        parse_client_message(truncated)
+    with pytest.raises(DecodeError):  # protobuf itself refuses it...
+        pb.ClientMessage.FromString(truncated)
+    unreadable = parse_client_message(truncated)  # ...and the server's reader says so, for an INVALID_ARGUMENT
+    assert isinstance(unreadable, Unreadable) and unreadable.nbytes == len(truncated)
 
 
 def _varint(value: int) -> bytes:
