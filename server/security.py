@@ -31,6 +31,8 @@ from typing import Iterable, Mapping
 
 import grpc
 
+from twinstep.netrules import is_loopback, is_true, read_pem
+
 logger = logging.getLogger("twinstep.server")
 
 ENV_TLS_CERT = "TWINSTEP_TLS_CERT"
@@ -40,26 +42,11 @@ ENV_OPERATOR_TOKEN = "TWINSTEP_OPERATOR_TOKEN"
 ENV_TOKENS_FILE = "TWINSTEP_TOKENS_FILE"
 ENV_INSECURE = "TWINSTEP_INSECURE"
 
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 _MAX_LOGGED = 4096  # refusals remembered for "logged once"; beyond that, new ones are not logged
 
 
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 (bracketed or not) and localhost; False for wildcards and anything else."""
-    host = host.strip().lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host in _LOOPBACK_NAMES or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    value = (environ if environ is not None else os.environ).get(name, "").strip().lower()
-    return value in ("1", "true", "yes", "on")
+    return is_true((environ if environ is not None else os.environ).get(name))
 
 
 def _check_token(token: str, what: str) -> str:
@@ -96,13 +83,7 @@ def read_tokens_file(path: str | pathlib.Path) -> list[tuple[str, str]]:
 
 
 def _read(path: str, what: str) -> bytes:
-    try:
-        data = pathlib.Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
-    if b"-----BEGIN" not in data:
-        raise ValueError(f"the {what} {path} is not PEM (no '-----BEGIN' line)")
-    return data
+    return read_pem(path, what)
 
 
 @dataclass(kw_only=True)

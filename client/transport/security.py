@@ -15,14 +15,14 @@ The token travels as ``authorization: Bearer TOKEN`` metadata on every call.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import pathlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import grpc
+
+from twinstep.netrules import is_true, read_pem, target_is_loopback
 
 logger = logging.getLogger("twinstep")
 
@@ -32,34 +32,15 @@ ENV_TLS_CLIENT_CERT = "TWINSTEP_TLS_CLIENT_CERT"
 ENV_TLS_CLIENT_KEY = "TWINSTEP_TLS_CLIENT_KEY"
 ENV_INSECURE = "TWINSTEP_INSECURE"
 
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 _warned_plaintext: set[str] = set()
 
 
-def target_is_loopback(target: str) -> bool:
-    """True for a ``host:port`` on 127.0.0.0/8, ``[::1]`` or localhost, and for ``unix:`` sockets."""
-    if target.startswith("unix:"):
-        return True
-    host = target.rpartition(":")[0].strip().lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host in _LOOPBACK_NAMES or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _env_flag(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+    return is_true(value)
 
 
 def _read(path: str, what: str) -> bytes:
-    try:
-        return pathlib.Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    return read_pem(path, what)
 
 
 @dataclass(kw_only=True)
