@@ -100,8 +100,8 @@ if [ "$mode" = --repin ]; then
 else
     [ -f "$pins" ] || { echo "missing $pins (create it with: $0 $leg --repin)" >&2; exit 1; }
 fi
-hash_of() {  # the stamp: constraints, recipe, interpreter
-    { cat "$1"; declare -f recipe; echo "python $pyver"; } | sha256sum | cut -d' ' -f1
+hash_of() {  # the stamp: constraints, recipe, the project's declared dependencies, interpreter
+    { cat "$1"; declare -f recipe; cat "$root/pyproject.toml"; echo "python $pyver"; } | sha256sum | cut -d' ' -f1
 }
 if [ -z "$mode" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(hash_of "$pins")" ]; then
     echo "$leg: $venv is up to date (python $pyver, $(basename "$pins"))"

@@ -227,7 +227,6 @@ def _train(server: str, steps: int = 2, **kwargs):
 
 
 def test_self_signed_tls_serves_trusted_clients_only(jobs, tmp_path, caplog):
-    pytest.importorskip("cryptography")
     server, address = serve_process("--self-signed", str(tmp_path / "tls"), "--operator-token", OPERATOR,
                                     "--session-token", f"tls={TOKEN_A}")
     cert = str(tmp_path / "tls" / "server.crt")
@@ -260,7 +259,6 @@ def test_self_signed_tls_serves_trusted_clients_only(jobs, tmp_path, caplog):
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, caplog):
-    pytest.importorskip("cryptography")
     cert, key = self_signed(tmp_path / "server")
     ca, client_cert, client_key = _ca_and_client(tmp_path)
     handle = serve(port=0, security=ServerSecurity(tls_cert=str(cert), tls_key=str(key), tls_client_ca=ca))
