@@ -158,7 +158,7 @@ class Monitor:
             health.record_step_failure(step, error)  # warned once per kind; the server is told below
             self._client.mark_missing(step, "capture_failed", describe_error(error))
             self._recorder.discard_step()
-        changes = health.take_changes(self._client.stats.dropped)
+        changes = health.take_changes()
         if changes is not None:
             self._client.send_health(changes)
         self._step = step + 1
@@ -182,7 +182,7 @@ class Monitor:
         self._closed = True
         atexit.unregister(self._atexit)
         self._recorder.remove()
-        changes = self._recorder.health.take_changes(self._client.stats.dropped)
+        changes = self._recorder.health.take_changes()
         if changes is not None:  # failures after the last step() (a trailing forward, say)
             self._client.send_health(changes)
         reason = "halted" if self._halt is not None else "finished"

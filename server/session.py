@@ -48,7 +48,8 @@ from twinstep.server.ingest.decode import decode_step
 from twinstep.server.report.snapshot import SessionSnapshot
 from twinstep.server.runs.credits import credit_updates
 from twinstep.server.runs.halt import HaltCoordinator, halt_command
-from twinstep.server.runs.membership import MAX_TEXT, MAX_WARNINGS, Membership, RankState, RunState, check_hello
+from twinstep.server.runs.membership import (ENDED, MAX_TEXT, MAX_WARNINGS, Membership, RankState, RunState,
+                                              check_hello)
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep.server")
@@ -328,7 +329,7 @@ class Session:
         out = []
         for name in (self.baseline or "", candidate):
             state = self.runs[name].ranks.get(rank)
-            out.append(Side(name, self.coverage.rank(name, rank), state is not None and state.state in ("finished", "halted", "lost")))
+            out.append(Side(name, self.coverage.rank(name, rank), state is not None and state.state in ENDED))
         return out[0], out[1]
 
     def coverage_of(self, candidate: str) -> pb.Coverage:

@@ -93,19 +93,22 @@ class CaptureHealth:
         with self._lock:
             return bool(self._entries or self._failed_steps)
 
-    def take_changes(self, dropped: dict[str, int]) -> pb.CaptureHealth | None:
-        """The cumulative snapshot if anything changed since the last call (else None)."""
+    def take_changes(self) -> pb.CaptureHealth | None:
+        """The cumulative snapshot if anything changed since the last call (else None).
+
+        Drop counts and missing steps are the sender's to add (its DropLedger): it fills them in.
+        """
         with self._lock:
             if not self._changed:
                 return None
             self._changed = False
-            return self._snapshot_locked(dropped)
+            return self._snapshot_locked()
 
-    def snapshot(self, dropped: dict[str, int] | None = None) -> pb.CaptureHealth:
+    def snapshot(self) -> pb.CaptureHealth:
         with self._lock:
-            return self._snapshot_locked(dropped or {})
+            return self._snapshot_locked()
 
-    def _snapshot_locked(self, dropped: dict[str, int]) -> pb.CaptureHealth:
+    def _snapshot_locked(self) -> pb.CaptureHealth:
         return pb.CaptureHealth(
             failures=[
                 pb.CaptureFailure(phase=phase, name=name, count=e.count, first_step=e.first_step,
@@ -116,7 +119,6 @@ class CaptureHealth:
             first_failed_step=self._first_failed_step,
             last_failed_step=self._last_failed_step,
             step_error=self._step_error,
-            dropped={k: v for k, v in dropped.items() if v},
         )
 
     def _warn_once(self, kind: str, error: BaseException, message: str, *args: object,

@@ -16,6 +16,7 @@ from twinstep import phases
 from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.align.step_ranges import StepRanges
 from twinstep.server.detect.gaps import MAX_LISTED_GAPS, Side, find_gaps
+from twinstep.server.runs.membership import ENDED
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -154,7 +155,7 @@ def coverage_problems(session: _SessionView) -> list[str]:
         problems.append("no candidate run joined: nothing was compared against the baseline")
     for run in runs:
         problems.extend(_run_problems(run))
-    ended = all(r.state in ("finished", "halted", "lost") for r in runs)
+    ended = all(r.state in ENDED for r in runs)
     if baseline is None:
         return problems
     for cand in candidates:
