@@ -15,7 +15,7 @@ from twinstep.server.report.builder import build_report
 from twinstep.server.report.render import report_to_dict
 from twinstep.server.security import ServerSecurity
 from twinstep.server.servicer import TwinstepServicer, add_servicer
-from twinstep.server.session import SessionRegistry
+from twinstep.server.registry import SessionRegistry
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep.server")
@@ -46,6 +46,9 @@ class ServerHandle:
     def report_proto(self, session: str) -> pb.Report:
         found = self.registry.get(session)
         if found is None:
+            archived = self.registry.archived_report(session)
+            if archived is not None:
+                return archived
             raise KeyError(f"no session {session!r}")
         return build_report(found.snapshot())
 
@@ -68,11 +71,13 @@ class ServerHandle:
     def stop(self, grace: float = 2.0) -> None:
         """Refuse new RPCs now, let running ones end within ``grace`` seconds."""
         self._stopping.set()
+        self.registry.freeze()  # nothing more is accepted than the journal holds
         for name in self.registry.names():
             session = self.registry.get(name)
             if session is not None:
                 session.events.close()
         self._server.stop(grace).wait(grace + 1.0)
+        self.registry.close()
 
     def wait(self) -> None:
         self._server.wait_for_termination()

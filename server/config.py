@@ -48,6 +48,17 @@ class ServerConfig:
     """Server-wide bound on the steps held for alignment, over every session.  Past it, the held steps of
     sessions whose runs have all ended are freed, least recently active first (their reports stay);
     sessions still streaming keep their own per-rank windows (window_steps, window_bytes)."""
+    journal: str | None = None
+    """Directory of the journal that lets sessions survive a restart (None: sessions live in memory only)."""
+    journal_sync: str = "normal"
+    """"normal": a commit survives the server process dying; "full": also a power loss (an fsync per commit)."""
+    session_ttl: float = 3600.0
+    """Seconds a session stays in memory after its last run ended; then only its report is kept (in the
+    journal, or in memory without one) and ``twinstep sessions`` still lists it."""
+    resume_grace: float = 120.0
+    """After a restart, seconds a stream that was open may take to reconnect before its run is marked lost."""
+    max_archived: int = 1000
+    """Without a journal: reports of sessions that left memory kept for GetReport, oldest forgotten first."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -56,12 +67,16 @@ class ServerConfig:
             raise ValueError("window_bytes must be positive")
         if self.max_workers < 4:
             raise ValueError("max_workers must be at least 4")
-        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes"):
+        if self.journal_sync not in ("normal", "full"):
+            raise ValueError(f"journal_sync must be 'normal' or 'full', not {self.journal_sync!r}")
+        if self.session_ttl < 0 or self.resume_grace < 0:
+            raise ValueError("session_ttl and resume_grace must not be negative")
+        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes", "max_archived"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -97,12 +112,16 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])
             except (TypeError, ValueError):
                 raise ValueError(f"{where}: {key} must be a number, got {data[key]!r}") from None
+    if "journal" in data and data["journal"] is not None:
+        kwargs["journal"] = str(base_dir / str(data["journal"]))
+    if "journal_sync" in data:
+        kwargs["journal_sync"] = str(data["journal_sync"])
     for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping"):
         if key in data:
             if not isinstance(data[key], bool):

@@ -38,6 +38,8 @@ class Connection:
         self.rank = 0
         self.closed_cleanly = False
         self.close_reason = ""
+        self.stream_id = 0
+        """Numbered by its session from 1 when it joins: how the journal names this stream."""
         self._cond = threading.Condition()
         self._out: deque[pb.ServerMessage] = deque()
         self._credit: tuple[int, int] | None = None  # latest unsent (max_step, acked); older ones are stale

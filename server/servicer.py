@@ -14,7 +14,9 @@ from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.wire import ReceivedPiece, Unreadable, parse_client_message
 from twinstep.server.report.builder import build_report
 from twinstep.server.security import Authorizer, Caller, Denied
-from twinstep.server.session import Session, SessionRegistry
+from twinstep.server.journal.store import JournalClosed
+from twinstep.server.registry import SessionRegistry
+from twinstep.server.session import Session
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
@@ -94,6 +96,8 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
         except Denied as denied:
             self.auth.note(conn.peer, "stream", denied)
             conn.fail(denied.code, denied.message)
+        except JournalClosed:
+            conn.fail(grpc.StatusCode.UNAVAILABLE, "the server is stopping; reconnect to resume")
         except InputError as error:
             label = conn.label if conn.session else conn.peer
             logger.warning("rejected stream %s: %s", label, error.message)
@@ -145,10 +149,18 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
         caller = self.auth.authorize(context, "report", request.session)
         session = self.registry.get(request.session)
         if session is None:
+            archived = self.registry.archived_report(request.session)
+            if archived is not None:
+                return archived
             # Other sessions' names are the operator's to see.
             names = f" (sessions: {', '.join(self.registry.names()) or 'none'})" if caller.operator else ""
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server{names}")
         return build_report(session.snapshot())
+
+    def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.SessionList:
+        # The operator sees every session; a session token sees its own.
+        caller = self.auth.authorize(context, "list", check=False)
+        return self.registry.list_sessions(only=None if caller.operator else caller.session)
 
     def Halt(self, request: pb.HaltRequest, context: grpc.ServicerContext) -> pb.HaltResponse:
         self.auth.authorize(context, "halt", request.session)
@@ -182,6 +194,10 @@ def add_servicer(servicer: Any, server: grpc.Server) -> None:
         "Halt": grpc.unary_unary_rpc_method_handler(
             servicer.Halt, request_deserializer=pb.HaltRequest.FromString,
             response_serializer=pb.HaltResponse.SerializeToString,
+        ),
+        "ListSessions": grpc.unary_unary_rpc_method_handler(
+            servicer.ListSessions, request_deserializer=pb.ListSessionsRequest.FromString,
+            response_serializer=pb.SessionList.SerializeToString,
         ),
     }
     missing = set(_SERVICE.methods_by_name) - set(handlers)

@@ -17,12 +17,11 @@ after it is released.  Reports are built from :meth:`snapshot`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from typing import Callable
-
-import grpc
 
 from twinstep._version import PROTOCOL_VERSION
 from twinstep.server.align.coverage import CoverageLedger
@@ -43,8 +42,10 @@ from twinstep.server.detect.gaps import Side, find_gaps
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
-from twinstep.server.errors import InputError, invalid
+from twinstep.server.errors import invalid
 from twinstep.server.ingest.decode import decode_step
+from twinstep.server.journal.entries import Kind, leave_header
+from twinstep.server.journal.store import NoJournal, SessionJournal
 from twinstep.server.report.snapshot import SessionSnapshot
 from twinstep.server.runs.credits import credit_updates
 from twinstep.server.runs.halt import HaltCoordinator, halt_command
@@ -60,10 +61,18 @@ _MAX_FAILURE_ENTRIES = 1024
 
 
 class Session:
-    def __init__(self, name: str, config: ServerConfig, on_ended: Callable[[], object] | None = None) -> None:
+    def __init__(self, name: str, config: ServerConfig, on_ended: Callable[["Session"], object] | None = None) -> None:
         self.name = name
         self.config = config
-        self._on_ended = on_ended  # the registry's memory budget, applied when a session's runs have all ended
+        self._on_ended = on_ended  # the registry's memory budget and journal summary, once every run has ended
+        self.journal: SessionJournal | NoJournal = NoJournal()
+        """Where accepted inputs are committed before they are acknowledged (see twinstep.server.journal)."""
+        self.replaying = False
+        """Inputs are being replayed from the journal after a restart: nothing is sent, nothing journaled again."""
+        self.created = time.time()
+        self.ended_at = 0.0
+        """time.time() when every run had ended (0 while one streams)."""
+        self._stream_ids = itertools.count(1)
         self.lock = threading.RLock()
         self.members = Membership(name, config.max_runs_per_session)
         self.events = EventBus(name)
@@ -115,6 +124,12 @@ class Session:
         precision = check_hello(hello)
         with self.lock:
             self.members.join(conn, hello, precision)
+            if not conn.stream_id:
+                conn.stream_id = next(self._stream_ids)
+            else:  # replayed: later streams are numbered after it
+                self._stream_ids = itertools.count(max(conn.stream_id + 1, next(self._stream_ids)))
+            self.ended_at = 0.0
+            self._journal(Kind.HELLO, conn, hello.SerializeToString())
             self._verdict_told = False  # a run (re)joined: the verdict is told again when all have ended
             self.coverage.declare(hello.run, hello.rank, hello)
             aligner = self._aligner(hello.rank)
@@ -137,18 +152,28 @@ class Session:
                 welcome.lossy[phase].CopyFrom(bound)
         return pb.ServerMessage(welcome=welcome)
 
-    def leave(self, conn: Connection) -> None:
-        """The stream of ``conn`` ended, cleanly (after Close) or not."""
+    def leave(self, conn: Connection, silent_for: float | None = None) -> None:
+        """The stream of ``conn`` ended, cleanly (after Close) or not.
+
+        ``silent_for``: the silence measured when it happened (a replay from the journal).
+        """
         with self.lock:
+            if self.journal.closed:
+                return  # the server is stopping: no loss, the client comes back to the next server on the journal
             run = self.members.leave(conn)
             if run is None:
                 return
             state = run.ranks[conn.rank]
+            if state.state == "lost" and silent_for is not None and silent_for >= 0:
+                state.silent_for = silent_for
+            self._journal(Kind.LEAVE, conn, leave_header(state.silent_for))
             self._aligner(conn.rank).finish(run.name, self.baseline, self.members.compared_runs, not self.candidates)
             self._run_deferred(conn.rank)
             declared = self._declare()
             ended = self._ended_verdict()
             self.last_active = time.monotonic()
+            if self.members.all_ended() and not self.ended_at:
+                self.ended_at = time.time()
         if state.state == "lost":
             self._alert("warning", f"run {run.name!r} rank {conn.rank} is lost after step {state.last_step}: its stream "
                         f"ended without a goodbye, {state.silent_for:.1f} s after its last message (the process died "
@@ -156,20 +181,22 @@ class Session:
         self._announce(declared)
         if ended is not None:
             self._alert(*ended)
-            if self._on_ended is not None:
-                self._on_ended()
+        if self.ended_at and self._on_ended is not None:
+            self._on_ended(self)
         self._update_credits(conn.rank)
         self._publish_progress(force=True)
 
     def close_stream(self, conn: Connection, message: pb.Close) -> None:
         with self.lock:
             self.members.close(conn, message)
+            self._journal(Kind.CLOSE, conn, message.SerializeToString())
 
     # -- ingest ------------------------------------------------------------------------
 
     def add_manifest(self, conn: Connection, message: pb.Manifest) -> None:
         with self.lock:
             self.members.rank_of(conn).manifest.add(message)
+            self._journal(Kind.MANIFEST, conn, message.SerializeToString())
 
     def add_health(self, conn: Connection, health: pb.CaptureHealth) -> None:
         """The client's latest word on what it could not capture; watchers hear of each new kind once."""
@@ -184,6 +211,7 @@ class Session:
             reported = max((m.last_step for m in health.missing), default=-1)
             rank_state.accounted_step = max(rank_state.accounted_step, reported)
             news = [kind for kind in _failure_kinds(health) if kind not in before]
+            self._journal(Kind.HEALTH, conn, health.SerializeToString())
         for kind in news[:MAX_WARNINGS]:
             self._alert("warning", f"run {conn.run!r} rank {conn.rank}: capture is failing: {describe_failure(health, kind)}")
         self._update_credits(conn.rank)  # steps said missing move this run along, as delivered ones do
@@ -196,9 +224,19 @@ class Session:
             raise invalid(f"negative step {message.step}")
         with self.lock:
             rank_state = self.members.rank_of(conn)
-            data = decode_step(message, rank_state.manifest, conn.pieces)
-            self._delivered(conn, rank_state, data.step, message)
             aligner = self._aligner(conn.rank)
+            if message.step <= aligner.delivered(conn.run or ""):
+                # Sent again after a reconnect: this server holds it (or compared it) already.
+                conn.pieces.discard()
+                rank_state.steps_resent += 1
+                rank_state.last_heard = time.monotonic()
+                return
+            pieces = conn.pieces.received() if self._journaled else ()
+            data = decode_step(message, rank_state.manifest, conn.pieces)
+            # Committed before anything can acknowledge it (credits are computed under this lock).
+            self._journal_step(conn, message, pieces)
+            self._delivered(conn, rank_state, data.step, message)
+            rank_state.records_received += len(message.phase)
             pairs = aligner.add(conn.run or "", data, self.baseline, self.members.compared_runs,
                                 keep_baseline=not self.candidates)
             for run_name in self.runs:
@@ -419,6 +457,9 @@ class Session:
         with self.lock:
             if not self.halting.start(reason):
                 return []
+            self.journal.append(Kind.HALT, 0, reason.encode())
+            if self.replaying:
+                return []  # its streams are gone; each is told HALT when it rejoins
             plan = [(run.name, run.world_size, [s.connection for s in run.ranks.values() if s.connection is not None])
                     for run in self.runs.values()]
         return self.halting.halt_runs(plan)
@@ -506,6 +547,45 @@ class Session:
                 headroom=tuple(h for run in self.candidates for h in self.headroom.to_proto(run)),
             )
 
+    # -- journal ---------------------------------------------------------------------------------
+
+    @property
+    def _journaled(self) -> bool:
+        return not isinstance(self.journal, NoJournal) and not self.journal.failure
+
+    def _journal(self, kind: Kind, conn: Connection, header: bytes) -> None:
+        """Commit one accepted input (caller holds the lock); a failing journal is told once, not raised."""
+        if not self.journal.append(kind, conn.stream_id, header):
+            self._journal_failed()
+
+    def _journal_step(self, conn: Connection, message: pb.StepRecords, pieces) -> None:
+        if not self._journaled:
+            return
+        rows = [(Kind.PIECE, conn.stream_id, header.SerializeToString(), data) for header, data in pieces]
+        rows.append((Kind.STEP, conn.stream_id, message.SerializeToString(), None))
+        if not self.journal.append_many(rows):
+            self._journal_failed()
+
+    def _journal_failed(self) -> None:
+        if getattr(self, "_journal_failure_told", False):
+            return
+        self._journal_failure_told = True
+        self.errors.append(f"the journal stopped taking this session ({self.journal.failure}): it goes on in "
+                           "memory and will not survive a server restart")
+        self.events.publish(pb.Event(alert=pb.AlertNotice(level="error", message=self.errors[-1])), keep=True)
+
+    def expire_absent(self, conns: list[Connection], grace: float) -> None:
+        """After a restart: streams that were open before it and did not come back within ``grace`` s are lost."""
+        for conn in conns:
+            with self.lock:
+                run = self.runs.get(conn.run or "")
+                state = run.ranks.get(conn.rank) if run else None
+                if state is None or state.connection is not conn:
+                    continue  # it came back (a newer stream replaced this one)
+            self._alert("warning", f"run {conn.run!r} rank {conn.rank} did not reconnect within {grace:g} s of the "
+                        "server's restart")
+            self.leave(conn)
+
     # -- helpers --------------------------------------------------------------------------------
 
     def held_bytes(self) -> int:
@@ -535,66 +615,3 @@ class Session:
 def _forward_names(labels: list[RecordLabel]) -> set[str]:
     """Module names of the forward records among ``labels`` ("" is the model's root)."""
     return {label.name for label in labels if label.phase == "forward"}
-
-
-class SessionRegistry:
-    """All sessions of one server, created by the first stream that names them."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self._lock = threading.Condition()
-        self._sessions: dict[str, Session] = {}
-
-    def get(self, name: str) -> Session | None:
-        with self._lock:
-            return self._sessions.get(name)
-
-    def get_or_create(self, name: str) -> Session:
-        if not name:
-            raise invalid("session name must not be empty")
-        if len(name) > 256:
-            raise invalid("session name longer than 256 characters")
-        with self._lock:
-            session = self._sessions.get(name)
-            if session is None:
-                if len(self._sessions) >= self.config.max_sessions:
-                    raise InputError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"this server holds {len(self._sessions)} sessions (max_sessions); "
-                                     f"session {name!r} is refused")
-                session = self._sessions[name] = Session(name, self.config, self.enforce_memory_budget)
-                self._lock.notify_all()
-            return session
-
-    def enforce_memory_budget(self) -> int:
-        """Past memory_budget_bytes, free the held steps of ended sessions, least recently active first.
-
-        Returns bytes freed.  Their reports stay; sessions still streaming keep their per-rank windows.
-        """
-        with self._lock:
-            sessions = list(self._sessions.values())
-        held = sum(session.held_bytes() for session in sessions)
-        freed = 0
-        for session in sorted(sessions, key=lambda s: s.last_active):
-            if held - freed <= self.config.memory_budget_bytes:
-                break
-            released = session.release_held_steps()
-            if released:
-                logger.warning("session %s: freed %d bytes of held steps (its runs have ended; memory_budget_bytes)",
-                               session.name, released)
-            freed += released
-        return freed
-
-    def wait_for(self, name: str, timeout: float) -> Session | None:
-        """The session, once a stream creates it (None after ``timeout`` seconds); never creates one."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while name not in self._sessions:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._lock.wait(remaining)
-            return self._sessions[name]
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)

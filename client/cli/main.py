@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--release-freed-memory", action="store_true",
                        help="let the allocator return freed memory to the OS: a smaller resident size after bursts, "
                             "at the cost of page faults on every tensor piece (see twinstep.server.memory)")
+    durable = serve.add_argument_group("durable sessions (README: Reliability)")
+    durable.add_argument("--journal", metavar="DIR",
+                         help="keep sessions in a journal in DIR: they survive a restart of the server "
+                              "(default: $TWINSTEP_JOURNAL; none: sessions live in memory only)")
+    durable.add_argument("--session-ttl", type=float, metavar="SECONDS",
+                         help="seconds a finished session stays in memory before only its report is kept (default 3600)")
     tls = serve.add_argument_group("security (README: Security)")
     tls.add_argument("--tls-cert", metavar="FILE", help="PEM certificate the server presents (default: $TWINSTEP_TLS_CERT)")
     tls.add_argument("--tls-key", metavar="FILE", help="its PEM private key (default: $TWINSTEP_TLS_KEY)")
@@ -81,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     _server_arg(mapping)
     mapping.add_argument("--write", metavar="FILE", help="write it as a mapping file to pin (server config: mapping_file)")
 
+    sessions = sub.add_parser("sessions", help="list the sessions a server holds, in memory or in its journal")
+    _server_arg(sessions)
+    sessions.add_argument("--json", action="store_true", help="print them as JSON")
+
     halt = sub.add_parser("halt", help="halt every run of a session")
     halt.add_argument("session")
     _server_arg(halt)
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"serve": _serve, "watch": _watch, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo}[args.command](args)
+        return {"serve": _serve, "watch": _watch, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions}[args.command](args)
     except grpc.RpcError as error:
         from twinstep.transport.security import explain
 
@@ -118,6 +128,13 @@ def _serve(args: argparse.Namespace) -> int:
     from twinstep.server.memory import retain_freed_memory
 
     config = load_config(args.config) if args.config else ServerConfig()
+    journal = args.journal or os.environ.get("TWINSTEP_JOURNAL")
+    if journal:
+        config.journal = journal
+    if args.session_ttl is not None:
+        if args.session_ttl < 0:
+            raise ValueError("--session-ttl must not be negative")
+        config.session_ttl = args.session_ttl
     security = _server_security(args)
     if not args.release_freed_memory:
         retain_freed_memory()  # this process is the server's own
@@ -126,6 +143,10 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"twinstep server listening on {args.host}:{handle.port}"
           f" ({'TLS' if handle.tls else 'plaintext'}{', tokens required' if security.operator_token or security.session_tokens else ''})",
           flush=True)
+    if config.journal:
+        restored = handle.registry.names()
+        print(f"journal: {handle.registry.store.directory if handle.registry.store else config.journal}"
+              + (f" (restored: {', '.join(restored)})" if restored else ""), flush=True)
     if args.self_signed:
         print(f"clients trust this server with: export TWINSTEP_TLS_CA={os.path.abspath(security.tls_cert or '')}",
               flush=True)
@@ -268,6 +289,35 @@ def _halt(args: argparse.Namespace) -> int:
                                     metadata=client.metadata)
     print(f"halt sent to: {', '.join(response.runs) or 'no connected run'}")
     return 0
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    with _Client(args) as client:
+        listing = client.stub.ListSessions(pb.ListSessionsRequest(), timeout=_RPC_TIMEOUT, metadata=client.metadata)
+    if args.json:
+        from google.protobuf import json_format
+
+        print(json.dumps(json_format.MessageToDict(listing, always_print_fields_with_no_presence=True), indent=2))
+        return 0
+    print(format_sessions(listing))
+    return 0
+
+
+def format_sessions(listing: pb.SessionList) -> str:
+    """A table of sessions: where each lives, its verdict, runs, steps compared and first divergence."""
+    if not listing.sessions:
+        return "no sessions" + (f" (journal {listing.journal})" if listing.journal else "")
+    lines = [f"{'SESSION':24} {'WHERE':8} {'STATUS':11} {'STEPS':>6} {'ENDED':19} RUNS / FIRST DIVERGENCE"]
+    for s in listing.sessions:
+        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.ended_unix)) if s.ended_unix else "-"
+        where = "memory" if s.in_memory else "journal" if listing.journal else "archived"
+        line = f"{s.name[:24]:24} {where:8} {s.status:11} {s.steps_compared:>6} {ended:19} {', '.join(s.runs)}"
+        if s.first_divergence:
+            line += f"\n{'':24} {s.first_divergence}"
+        lines.append(line)
+    if listing.journal:
+        lines.append(f"journal: {listing.journal}")
+    return "\n".join(lines)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -95,6 +95,7 @@ class PieceCollector:
         self._bytes = 0
         self._tensors: dict[int, TensorData] = {}
         self._next_offset: dict[int, int] = {}
+        self._received: list[tuple[pb.TensorPiece, memoryview | None]] = []
 
     @property
     def pending_bytes(self) -> int:
@@ -123,6 +124,7 @@ class PieceCollector:
             )
         self._next_offset[piece.record] = piece.offset + piece.numel
         self._tensors.setdefault(piece.record, TensorData()).pieces.append(item)
+        self._received.append((piece, data))
         for other in piece.same_records:
             if other == piece.record:
                 continue
@@ -150,6 +152,10 @@ class PieceCollector:
                 )
         return tensors
 
+    def received(self) -> list[tuple[pb.TensorPiece, memoryview | None]]:
+        """The pieces held, as they arrived (header, payload view or None when the header holds it): for the journal."""
+        return list(self._received)
+
     def discard(self) -> None:
         """Forget incomplete pieces (the stream ended mid-step; the client resends the whole step)."""
         self._reset()
@@ -160,3 +166,4 @@ class PieceCollector:
         self._bytes = 0
         self._tensors = {}
         self._next_offset = {}
+        self._received = []

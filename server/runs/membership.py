@@ -49,6 +49,10 @@ class RankState:
     """time.monotonic() of its stream's last message."""
     silent_for: float = -1.0
     """When lost: seconds between its last message and the end of its stream (-1: not lost)."""
+    records_received: int = 0
+    """Records accepted from this rank, each counted once (resent steps are not counted again)."""
+    steps_resent: int = 0
+    """Steps this rank sent again (after a reconnect or a server restart) that the server already held."""
 
     def merge_dropped(self, counts: Mapping[str, int]) -> None:
         """Cumulative counters from the client: keep the largest seen (messages may come in any order)."""
@@ -241,6 +245,8 @@ class Membership:
                 name=run.name, baseline=run.baseline, reference=run.reference, framework=run.framework,
                 ranks=run.world_size, last_step=run.last_step, state=run.state, dropped=sum(by_reason.values()),
                 dropped_by_reason=by_reason, first_step=run.first_step,
+                records_received=sum(state.records_received for state in run.ranks.values()),
+                steps_resent=sum(state.steps_resent for state in run.ranks.values()),
             )
             for rank, state in sorted(run.ranks.items()):
                 if state.health is not None:

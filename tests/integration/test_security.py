@@ -132,6 +132,16 @@ def test_every_rpc_checks_its_token(guarded, caplog):
     refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused report")]
     assert len([m for m in refusals if "no token" in m or "needs a token" in m]) == 1, refusals
 
+    # Listing sessions: a token is needed; a session token sees its own session only, the operator every one.
+    def sessions(token):
+        return [row.name for row in stub.ListSessions(pb.ListSessionsRequest(), metadata=_metadata(token),
+                                                      timeout=10).sessions]
+
+    assert _code(lambda: sessions(None)) == UNAUTHENTICATED
+    assert _code(lambda: sessions("not-a-token")) == UNAUTHENTICATED
+    assert sessions(TOKEN_A) == ["a"] and sessions(TOKEN_B) == ["b"]
+    assert sorted(sessions(OPERATOR)) == ["a", "b"]
+
     # The operator may do everything; session b streamed through all of it.
     assert report(OPERATOR).session == "a" and report(OPERATOR, session="b").session == "b"
     assert _code(lambda: watch(OPERATOR, session="b")) == "ok"

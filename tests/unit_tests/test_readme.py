@@ -22,6 +22,7 @@ def test_config_example_loads(tmp_path):
     assert config.mapping.to_baseline("decoder.final_layernorm.weight") == "norm.weight"
     assert config.mapping.to_baseline("model.decoder.layers.3.mlp") == "layers.3.mlp"
     assert config.tolerances.for_record("forward", "layers.1.mlp.act", "float32")["mean"] == 1e-4
+    assert config.journal == str(tmp_path / "journal") and config.session_ttl == 3600 and config.resume_grace == 120
 
 
 def test_ci_runs_the_readme_test_command():
@@ -30,7 +31,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_documented_subcommands_exist():
-    for sub in ("serve", "watch", "report", "halt", "demo"):
+    for sub in ("serve", "watch", "report", "halt", "demo", "sessions", "mapping"):
         assert f"twinstep {sub}" in README
         out = subprocess.run([sys.executable, "-m", "twinstep", sub, "--help"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr

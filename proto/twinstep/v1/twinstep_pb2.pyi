@@ -410,7 +410,7 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference")
+    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,8 @@ class RunStatus(_message.Message):
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RESENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     baseline: bool
     framework: str
@@ -451,7 +453,9 @@ class RunStatus(_message.Message):
     dropped_by_reason: _containers.ScalarMap[str, int]
     first_step: int
     reference: bool
-    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ...) -> None: ...
+    records_received: int
+    steps_resent: int
+    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ...) -> None: ...
 
 class RankHealth(_message.Message):
     __slots__ = ("rank", "capture")
@@ -714,3 +718,37 @@ class HaltResponse(_message.Message):
     RUNS_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, runs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("name", "status", "runs", "steps_compared", "in_memory", "created_unix", "last_active_unix", "ended_unix", "first_divergence")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTIVE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    status: str
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    steps_compared: int
+    in_memory: bool
+    created_unix: float
+    last_active_unix: float
+    ended_unix: float
+    first_divergence: str
+    def __init__(self, name: _Optional[str] = ..., status: _Optional[str] = ..., runs: _Optional[_Iterable[str]] = ..., steps_compared: _Optional[int] = ..., in_memory: _Optional[bool] = ..., created_unix: _Optional[float] = ..., last_active_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., first_divergence: _Optional[str] = ...) -> None: ...
+
+class SessionList(_message.Message):
+    __slots__ = ("sessions", "journal")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    journal: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., journal: _Optional[str] = ...) -> None: ...

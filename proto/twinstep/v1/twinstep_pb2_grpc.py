@@ -57,6 +57,11 @@ class TwinstepStub:
                 request_serializer=twinstep_dot_v1_dot_twinstep__pb2.HaltRequest.SerializeToString,
                 response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.HaltResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/twinstep.v1.Twinstep/ListSessions',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.SessionList.FromString,
+                _registered_method=True)
 
 
 class TwinstepServicer:
@@ -89,6 +94,14 @@ class TwinstepServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """Sessions this server holds, in memory or in its journal (operator token,
+        or a session token: then only that session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TwinstepServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_TwinstepServicer_to_server(servicer, server):
                     servicer.Halt,
                     request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.HaltRequest.FromString,
                     response_serializer=twinstep_dot_v1_dot_twinstep__pb2.HaltResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.ListSessionsRequest.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.SessionList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +242,33 @@ class Twinstep:
             '/twinstep.v1.Twinstep/Halt',
             twinstep_dot_v1_dot_twinstep__pb2.HaltRequest.SerializeToString,
             twinstep_dot_v1_dot_twinstep__pb2.HaltResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinstep.v1.Twinstep/ListSessions',
+            twinstep_dot_v1_dot_twinstep__pb2.ListSessionsRequest.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.SessionList.FromString,
             options,
             channel_credentials,
             insecure,
