@@ -48,6 +48,13 @@ class ServerConfig:
     """Server-wide bound on the steps held for alignment, over every session.  Past it, the held steps of
     sessions whose runs have all ended are freed, least recently active first (their reports stay);
     sessions still streaming keep their own per-rank windows (window_steps, window_bytes)."""
+    max_inflight_steps: int = 16
+    """Steps a stream may send ahead of what the server has taken: bounds acknowledgement latency and the
+    memory in gRPC's buffers when clients outpace the server (their outboxes then drop and count steps)."""
+    reconnect_grace: float = 30.0
+    """Seconds a run whose stream broke may take to reconnect (clients retry with backoff up to 10 s) before
+    the other runs' steps it has not matched are released and the session's verdict can be told.  It shows
+    as ``lost`` at once; a rank that comes back resumes where the server's record of it ends."""
     journal: str | None = None
     """Directory of the journal that lets sessions survive a restart (None: sessions live in memory only)."""
     journal_sync: str = "normal"
@@ -69,14 +76,15 @@ class ServerConfig:
             raise ValueError("max_workers must be at least 4")
         if self.journal_sync not in ("normal", "full"):
             raise ValueError(f"journal_sync must be 'normal' or 'full', not {self.journal_sync!r}")
-        if self.session_ttl < 0 or self.resume_grace < 0:
-            raise ValueError("session_ttl and resume_grace must not be negative")
-        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes", "max_archived"):
+        if self.session_ttl < 0 or self.resume_grace < 0 or self.reconnect_grace < 0:
+            raise ValueError("session_ttl, resume_grace and reconnect_grace must not be negative")
+        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes", "max_archived",
+                     "max_inflight_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived", "max_inflight_steps", "reconnect_grace"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -112,7 +120,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int), ("max_inflight_steps", int), ("reconnect_grace", float)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])

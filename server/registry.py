@@ -213,6 +213,7 @@ class SessionRegistry:
                            "open may reconnect within %g s", stored.name, result.entries,
                            f", {result.failed} refused" if result.failed else "", time.monotonic() - started,
                            len(result.open_streams), self.config.resume_grace)
+            session.resume_grace_timers(self.config.reconnect_grace)
             if result.open_streams:
                 timer = threading.Timer(self.config.resume_grace, session.expire_absent,
                                         args=(result.open_streams, self.config.resume_grace))

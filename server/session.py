@@ -73,6 +73,7 @@ class Session:
         self.ended_at = 0.0
         """time.time() when every run had ended (0 while one streams)."""
         self._stream_ids = itertools.count(1)
+        self._left: dict[int, Connection] = {}  # lost streams within their reconnect grace, by stream id
         self.lock = threading.RLock()
         self.members = Membership(name, config.max_runs_per_session)
         self.events = EventBus(name)
@@ -124,6 +125,9 @@ class Session:
         precision = check_hello(hello)
         with self.lock:
             self.members.join(conn, hello, precision)
+            for stream_id, left in list(self._left.items()):  # it came back: its grace timer has nothing to do
+                if (left.run, left.rank) == (hello.run, hello.rank):
+                    del self._left[stream_id]
             if not conn.stream_id:
                 conn.stream_id = next(self._stream_ids)
             else:  # replayed: later streams are numbered after it
@@ -152,9 +156,11 @@ class Session:
                 welcome.lossy[phase].CopyFrom(bound)
         return pb.ServerMessage(welcome=welcome)
 
-    def leave(self, conn: Connection, silent_for: float | None = None) -> None:
+    def leave(self, conn: Connection, silent_for: float | None = None, grace: float | None = None) -> None:
         """The stream of ``conn`` ended, cleanly (after Close) or not.
 
+        A stream that broke leaves its rank ``lost`` at once, but for ``grace`` seconds (reconnect_grace)
+        the rank may come back: until then nothing it could still match is released.
         ``silent_for``: the silence measured when it happened (a replay from the journal).
         """
         with self.lock:
@@ -164,26 +170,80 @@ class Session:
             if run is None:
                 return
             state = run.ranks[conn.rank]
-            if state.state == "lost" and silent_for is not None and silent_for >= 0:
+            lost = state.state == "lost"
+            if lost and silent_for is not None and silent_for >= 0:
                 state.silent_for = silent_for
             self._journal(Kind.LEAVE, conn, leave_header(state.silent_for))
-            self._aligner(conn.rank).finish(run.name, self.baseline, self.members.compared_runs, not self.candidates)
-            self._run_deferred(conn.rank)
-            declared = self._declare()
-            ended = self._ended_verdict()
-            self.last_active = time.monotonic()
-            if self.members.all_ended() and not self.ended_at:
-                self.ended_at = time.time()
-        if state.state == "lost":
+            grace = self.config.reconnect_grace if grace is None else grace
+            if lost and grace > 0:
+                state.awaiting_return = True
+                self._left[conn.stream_id] = conn
+                self.last_active = time.monotonic()
+            else:
+                outcome = self._rank_ended(run, conn.rank)
+        if lost:
+            comeback = f"; it may reconnect within {grace:g} s" if grace > 0 else ""
             self._alert("warning", f"run {run.name!r} rank {conn.rank} is lost after step {state.last_step}: its stream "
                         f"ended without a goodbye, {state.silent_for:.1f} s after its last message (the process died "
-                        "or the network failed); the other runs go on")
+                        f"or the network failed){comeback}; the other runs go on")
+            if grace > 0:
+                if not self.replaying:
+                    self._give_up_later(conn, grace)
+                self._update_credits(conn.rank)
+                self._publish_progress(force=True)
+                return
+        self._after_rank_ended(conn.rank, *outcome)
+
+    def give_up(self, conn: Connection) -> None:
+        """The reconnect grace of lost stream ``conn`` ran out: release what its run could still have matched."""
+        with self.lock:
+            if self._left.pop(conn.stream_id, None) is None:
+                return
+            run = self.runs.get(conn.run or "")
+            state = run.ranks.get(conn.rank) if run else None
+            if state is None or not state.awaiting_return or state.connection is not None:
+                return  # it came back
+            state.awaiting_return = False
+            self._journal(Kind.GIVE_UP, conn, b"")
+            outcome = self._rank_ended(run, conn.rank)
+        self._after_rank_ended(conn.rank, *outcome)
+
+    def _give_up_later(self, conn: Connection, grace: float) -> None:
+        timer = threading.Timer(grace, self._give_up_safely, args=(conn,))
+        timer.daemon = True
+        timer.start()
+
+    def _give_up_safely(self, conn: Connection) -> None:
+        try:
+            self.give_up(conn)
+        except Exception:  # a timer thread must not die silently: the session would never end
+            logger.exception("session %s: releasing lost stream %s failed", self.name, conn.label)
+
+    def resume_grace_timers(self, grace: float) -> None:
+        """After a restart: lost streams still within their grace get ``grace`` seconds more."""
+        with self.lock:
+            left = list(self._left.values())
+        for conn in left:
+            self._give_up_later(conn, grace)
+
+    def _rank_ended(self, run: RunState, rank: int) -> tuple[list[Candidate], tuple[str, str] | None]:
+        """A rank's stream ended for good: release, compare what is ready, declare (caller holds the lock)."""
+        self._aligner(rank).finish(run.name, self.baseline, self.members.compared_runs, not self.candidates)
+        self._run_deferred(rank)
+        declared = self._declare()
+        ended = self._ended_verdict()
+        self.last_active = time.monotonic()
+        if self.members.all_ended() and not self.ended_at:
+            self.ended_at = time.time()
+        return declared, ended
+
+    def _after_rank_ended(self, rank: int, declared: list[Candidate], ended: tuple[str, str] | None) -> None:
         self._announce(declared)
         if ended is not None:
             self._alert(*ended)
         if self.ended_at and self._on_ended is not None:
             self._on_ended(self)
-        self._update_credits(conn.rank)
+        self._update_credits(rank)
         self._publish_progress(force=True)
 
     def close_stream(self, conn: Connection, message: pb.Close) -> None:
@@ -253,6 +313,8 @@ class Session:
     def _delivered(self, conn: Connection, rank_state: RankState, step: int, message: pb.StepRecords) -> None:
         rank_state.last_heard = self.last_active = time.monotonic()
         rank_state.merge_dropped(message.dropped)
+        if rank_state.last_step >= 0 and step > rank_state.last_step:
+            rank_state.stride = step - rank_state.last_step
         rank_state.last_step = max(rank_state.last_step, step)
         rank_state.accounted_step = max(rank_state.accounted_step, step)
         if rank_state.first_step < 0 or step < rank_state.first_step:
@@ -448,7 +510,7 @@ class Session:
     def _update_credits(self, rank: int) -> None:
         """Tell every stream of this rank how far it may run ahead."""
         with self.lock:
-            updates = credit_updates(self.runs.values(), rank, self.config.window_steps)
+            updates = credit_updates(self.runs.values(), rank, self.config.window_steps, self.config.max_inflight_steps)
         for conn, max_step, acked in updates:
             conn.set_credit(max_step, acked)
 
@@ -584,7 +646,7 @@ class Session:
                     continue  # it came back (a newer stream replaced this one)
             self._alert("warning", f"run {conn.run!r} rank {conn.rank} did not reconnect within {grace:g} s of the "
                         "server's restart")
-            self.leave(conn)
+            self.leave(conn, grace=0)
 
     # -- helpers --------------------------------------------------------------------------------
 

@@ -45,7 +45,9 @@ def use_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 def server(request: pytest.FixtureRequest) -> Iterator:
     """An embedded server; parametrise indirectly with a dict of serve() kwargs."""
     kwargs = dict(getattr(request, "param", {}) or {})  # a copy: parametrised dicts are shared
-    handle = serve(port=0, config=kwargs.pop("config", None) or ServerConfig(), **kwargs)
+    # A lost run's reconnect grace is 30 s by default; tests that kill a run should not wait that long
+    # (test_chaos.py reconnects within the default grace, test_durable_sessions.py across a restart).
+    handle = serve(port=0, config=kwargs.pop("config", None) or ServerConfig(reconnect_grace=0.5), **kwargs)
     yield handle
     handle.stop(grace=0.5)
 

@@ -344,9 +344,13 @@ class StreamClient(Sender):
                     self.stats.connected = False
                     self._cond.notify_all()
             if self._closing:
-                if final_attempt or not self._steps:
-                    return  # closing while the server is away: one last try, no backoff loop
+                if not self._steps and final_attempt:
+                    return  # nothing left to deliver but the goodbye: one more try was enough
                 final_attempt = True
+                # Steps are still queued: keep trying until close()'s timeout ends the flush (a server
+                # restarting or a link coming back within it loses nothing).
+                self._stopped.wait(min(backoff, 1.0) * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, self._config.backoff_max)
             else:
                 self._wake.wait(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, self._config.backoff_max)

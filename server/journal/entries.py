@@ -18,6 +18,7 @@ class Kind(enum.IntEnum):
     CLOSE = 6      # header: Close
     LEAVE = 7      # header: JSON {"silent_for": seconds} (the stream ended)
     HALT = 8       # header: the reason, UTF-8
+    GIVE_UP = 9    # header: empty; a lost stream's reconnect grace ran out (its run's steps are released)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ def replay(session: Session, entries: Iterable[Entry]) -> Replayed:
     """Apply ``entries`` to a fresh ``session`` (whose journal is not yet attached)."""
     result = Replayed()
     streams: dict[int, Connection] = {}
+    left: dict[int, Connection] = {}  # streams that ended (a lost one's GIVE_UP names it later)
     mute = _MuteThread()
     logger.addFilter(mute)
     session.replaying = True
@@ -51,7 +52,7 @@ def replay(session: Session, entries: Iterable[Entry]) -> Replayed:
         for entry in entries:
             result.entries += 1
             try:
-                _apply(session, entry, streams)
+                _apply(session, entry, streams, left)
             except InputError as error:
                 result.failed += 1
                 logger.debug("journal replay of %s: entry %d refused: %s", session.name, entry.seq, error.message)
@@ -65,7 +66,7 @@ def replay(session: Session, entries: Iterable[Entry]) -> Replayed:
     return result
 
 
-def _apply(session: Session, entry: Entry, streams: dict[int, Connection]) -> None:
+def _apply(session: Session, entry: Entry, streams: dict[int, Connection], left: dict[int, Connection]) -> None:
     if entry.kind is Kind.HALT:
         session.halt(entry.header.decode(errors="replace"))
         return
@@ -76,7 +77,7 @@ def _apply(session: Session, entry: Entry, streams: dict[int, Connection]) -> No
         streams[entry.stream] = conn
         session.join(conn, pb.Hello.FromString(entry.header))
         return
-    conn = streams.get(entry.stream)
+    conn = streams.get(entry.stream) or left.get(entry.stream)
     if conn is None:
         raise invalid(f"entry {entry.seq} names stream {entry.stream}, which never joined")
     if entry.kind is Kind.MANIFEST:
@@ -94,3 +95,6 @@ def _apply(session: Session, entry: Entry, streams: dict[int, Connection]) -> No
         del streams[entry.stream]
         conn.pieces.discard()
         session.leave(conn, silent_for=leave_silence(entry.header))
+        left[entry.stream] = conn
+    elif entry.kind is Kind.GIVE_UP:
+        session.give_up(conn)

@@ -17,7 +17,7 @@ from twinstep.v1 import twinstep_pb2 as pb
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -105,6 +105,8 @@ def _run(r: pb.RunStatus) -> dict[str, Any]:
         "state": r.state,
         "dropped": r.dropped,
         "dropped_by_reason": dict(r.dropped_by_reason),
+        "records_received": r.records_received,
+        "steps_resent": r.steps_resent,
         "environment": dict(r.environment),
         "warnings": list(r.warnings),
         "capture_health": [

@@ -49,6 +49,11 @@ class RankState:
     """time.monotonic() of its stream's last message."""
     silent_for: float = -1.0
     """When lost: seconds between its last message and the end of its stream (-1: not lost)."""
+    awaiting_return: bool = False
+    """Lost, and still within reconnect_grace: it may come back and send what the server does not hold,
+    so nothing it could still match is released and the verdict waits."""
+    stride: int = 1
+    """Steps between its last two deliveries (a run captured every N steps advances N at a time)."""
     records_received: int = 0
     """Records accepted from this rank, each counted once (resent steps are not counted again)."""
     steps_resent: int = 0
@@ -89,7 +94,8 @@ class RunState:
 
     @property
     def ended(self) -> bool:
-        return self.state in ENDED
+        """Every rank's stream ended for good (a lost rank within its reconnect grace has not)."""
+        return self.state in ENDED and not any(r.awaiting_return for r in self.ranks.values())
 
     @property
     def last_step(self) -> int:
@@ -104,7 +110,7 @@ class RunState:
         state = self.ranks.get(rank)
         if state is None:
             return -1
-        return _INF if state.state in ENDED else state.accounted_step
+        return _INF if state.state in ENDED and not state.awaiting_return else state.accounted_step
 
 
 def check_hello(hello: pb.Hello) -> str:
@@ -193,6 +199,7 @@ class Membership:
         rank_state.state = "streaming"
         rank_state.last_heard = time.monotonic()
         rank_state.silent_for = -1.0
+        rank_state.awaiting_return = False
         rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
         rank_state.warnings = [w[:MAX_TEXT] for w in hello.warnings[:MAX_WARNINGS]]
         rank_state.environment = {k[:64]: v[:MAX_TEXT] for k, v in list(hello.environment.items())[:_MAX_ENVIRONMENT]}

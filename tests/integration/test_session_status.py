@@ -7,6 +7,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step
+from twinstep.server import ServerConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
 VALUES = np.linspace(-1, 1, 16)
@@ -56,7 +57,8 @@ def test_a_lost_run_is_named(server):
     stream = run_stream(server.address, "lost", "paddle", range(3), close=False)
     wait_for(lambda: server.report_proto("lost").steps_compared == 3, timeout=10)
     stream.channel.close()  # the process died: no Close
-    report = ended(server, "lost")
+    ended(server, "lost")  # lost at once; the verdict waits for its reconnect grace (0.5 s in these tests)
+    report = wait_for(lambda: (r := server.report_proto("lost")).status != "running" and r, timeout=10)
     assert report.status == "incomplete"
     assert any("run 'paddle' lost its connection after step 2" in r for r in report.status_reasons)
 
@@ -99,3 +101,34 @@ def test_client_drops_are_named_with_their_steps_and_reason(server, reason, word
     assert reason_text.startswith("run 'paddle': not compared: steps 1 to 2 (run 'paddle': ") and words in reason_text
     (gap,) = report.coverage[0].gaps
     assert (gap.run, gap.first_step, gap.last_step) == ("paddle", 1, 2) and words in gap.reason
+
+
+@pytest.mark.parametrize("server", [{"config": ServerConfig(reconnect_grace=30.0)}], indirect=True)
+def test_a_run_that_reconnects_within_its_grace_is_compared_as_if_it_never_left(server):
+    """The candidate's stream breaks while the baseline holds steps it has not matched; it reconnects, is
+    told what the server holds, and sends the rest: every step is compared, nothing is 'unmatched'."""
+    base = run_stream(server.address, "blip", "torch", range(5), baseline=True, close=False)
+    cand = run_stream(server.address, "blip", "paddle", range(2), close=False)
+    wait_for(lambda: server.report_proto("blip").steps_compared == 2 and last_of(server, "blip", "torch") == 4)
+    cand.channel.close()  # the link broke: no Close
+    wait_for(lambda: run_of(server, "blip", "paddle").state == "lost")
+    assert server.report_proto("blip").status == "running"  # within its grace: no verdict yet
+    again = RawStream(server.address).send(hello("blip", "paddle")).send(manifest((0, "fc", "Linear")))
+    assert again.next().welcome.last_step_received == 1
+    for number in range(2, 5):
+        again.send(step(number, [(0, VALUES)]))
+    for stream, last in ((again, 4), (base, 4)):
+        stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=last)))
+        stream.close()
+        stream.wait_end()
+    report = wait_for(lambda: (r := server.report_proto("blip")).status != "running" and r, timeout=10)
+    assert (report.status, report.steps_compared) == ("aligned", 5), list(report.status_reasons)
+    assert all(not r.dropped_by_reason for r in report.runs), [dict(r.dropped_by_reason) for r in report.runs]
+
+
+def run_of(server, session: str, run: str) -> pb.RunStatus:
+    return next(r for r in server.report_proto(session).runs if r.name == run)
+
+
+def last_of(server, session: str, run: str) -> int:
+    return run_of(server, session, run).last_step
