@@ -146,15 +146,17 @@ class SessionRegistry:
         archived = []
         for session in expired:
             report = build_report(session.snapshot())
-            with self._lock:
+            # Kept (journal or memory) before it leaves the registry: GetReport finds it in one or the other.
+            with self._lock, session.lock:
                 if self._sessions.get(session.name) is not session or not session.members.all_ended():
                     continue  # a run rejoined meanwhile
+                if self.store is not None and not session.journal.failure:
+                    self._save(session, report)
+                    self.store.archive(session.journal.session_id)
+                else:
+                    self._keep(session, report)
+                session.archived = True
                 del self._sessions[session.name]
-            if self.store is not None and not session.journal.failure:
-                self._save(session, report)
-                self.store.archive(session.journal.session_id)
-            else:
-                self._keep(session, report)
             session.events.close()
             archived.append(session.name)
             logger.info("session %s left memory (%s s after its runs ended); its report stays readable",

@@ -74,7 +74,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
                     self.auth.check(caller, "stream", hello.session)
                     conn.session, conn.run, conn.rank = hello.session, hello.run, hello.rank  # for log lines
                     joining = self.registry.get_or_create(hello.session)
-                    conn.send(joining.join(conn, hello))
+                    joining.join(conn, hello)  # queues the Welcome
                     session = joining
                 elif kind == "manifest":
                     session.add_manifest(conn, message.manifest)

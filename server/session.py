@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Callable
 
+import grpc
+
 from twinstep._version import PROTOCOL_VERSION
 from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.align.window import RankAligner
@@ -42,7 +44,7 @@ from twinstep.server.detect.gaps import Side, find_gaps
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
 from twinstep.server.detect.noise import NoiseBands
-from twinstep.server.errors import invalid
+from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.decode import decode_step
 from twinstep.server.journal.entries import Kind, leave_header
 from twinstep.server.journal.store import NoJournal, SessionJournal
@@ -68,6 +70,8 @@ class Session:
         self.journal: SessionJournal | NoJournal = NoJournal()
         """Where accepted inputs are committed before they are acknowledged (see twinstep.server.journal)."""
         self.replaying = False
+        self.archived = False
+        """Left the registry (its runs had ended): a stream that still holds it must join the name afresh."""
         """Inputs are being replayed from the journal after a restart: nothing is sent, nothing journaled again."""
         self.created = time.time()
         self.ended_at = 0.0
@@ -121,9 +125,13 @@ class Session:
 
     # -- membership ------------------------------------------------------------------
 
-    def join(self, conn: Connection, hello: pb.Hello) -> pb.ServerMessage:
+    def join(self, conn: Connection, hello: pb.Hello) -> None:
+        """Admit a stream; its Welcome is the first message it is sent (then a halt, or its credit)."""
         precision = check_hello(hello)
         with self.lock:
+            if self.archived:
+                raise InputError(grpc.StatusCode.UNAVAILABLE, f"session {self.name!r} was just archived; reconnect "
+                                 "to start it afresh")
             self.members.join(conn, hello, precision)
             for stream_id, left in list(self._left.items()):  # it came back: its grace timer has nothing to do
                 if (left.run, left.rank) == (hello.run, hello.rank):
@@ -138,7 +146,13 @@ class Session:
             self.coverage.declare(hello.run, hello.rank, hello)
             aligner = self._aligner(hello.rank)
             aligner.reopen(hello.run)
-            received = aligner.delivered(hello.run)
+            welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=aligner.delivered(hello.run),
+                                 max_step_tensor_bytes=self.config.window_bytes)
+            if hello.capture == "lossy":
+                for phase, bound in self._lossy_bounds().items():
+                    welcome.lossy[phase].CopyFrom(bound)
+            # Queued under the lock: no credit (another stream's step may compute one) can overtake it.
+            conn.send(pb.ServerMessage(welcome=welcome))
             halted, reason = self.halting.halted, self.halting.reason
         logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework,
                     hello.framework_version)
@@ -149,12 +163,6 @@ class Session:
             conn.send(halt_command(-1, reason))
         else:
             self._update_credits(hello.rank)
-        welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=received,
-                             max_step_tensor_bytes=self.config.window_bytes)
-        if hello.capture == "lossy":
-            for phase, bound in self._lossy_bounds().items():
-                welcome.lossy[phase].CopyFrom(bound)
-        return pb.ServerMessage(welcome=welcome)
 
     def leave(self, conn: Connection, silent_for: float | None = None, grace: float | None = None) -> None:
         """The stream of ``conn`` ended, cleanly (after Close) or not.

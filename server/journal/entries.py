@@ -32,7 +32,7 @@ class Entry:
 
 
 def leave_header(silent_for: float) -> bytes:
-    return json.dumps({"silent_for": round(silent_for, 3)}).encode()
+    return json.dumps({"silent_for": silent_for}).encode()  # exact: the report prints it rounded
 
 
 def leave_silence(header: bytes) -> float:

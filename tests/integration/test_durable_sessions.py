@@ -250,3 +250,43 @@ def test_a_file_that_is_no_journal_is_a_clear_error(tmp_path: Path):
     assert result.returncode == 2
     assert "is not a twinstep journal" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _break_candidate(handle, session: str) -> None:
+    """The baseline delivers steps 0 to 3 and closes; the candidate delivers 0 and 1, then its link breaks."""
+    _stream(handle.address, session, "torch", range(4), baseline=True)
+    stream = _stream(handle.address, session, "paddle", range(2), close=False)
+    wait_for(lambda: handle.report_proto(session).steps_compared == 2, timeout=10)
+    stream.channel.close()
+
+
+def test_a_grace_that_ran_out_before_a_restart_stays_run_out(tmp_path: Path):
+    first = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=0.3))
+    try:
+        _break_candidate(first, "expired")
+        before = wait_for(lambda: (r := first.report_proto("expired")).status == "incomplete" and r, timeout=10)
+    finally:
+        first.stop(grace=0.5)
+    # The end of the grace is journaled: the replay releases the run at the same point, with no new grace.
+    second = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=30))
+    try:
+        assert comparable(second.report_proto("expired")) == comparable(before)
+    finally:
+        second.stop(grace=0.5)
+
+
+def test_a_grace_running_at_a_restart_runs_again_after_it(tmp_path: Path):
+    first = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=30))
+    try:
+        _break_candidate(first, "pending")
+        wait_for(lambda: first.report_proto("pending").runs[-1].state == "lost", timeout=10)
+        assert first.report_proto("pending").status == "running"  # within its grace
+    finally:
+        first.stop(grace=0.5)
+    second = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=0.5))
+    try:
+        assert second.report_proto("pending").status == "running"  # still free to come back
+        report = wait_for(lambda: (r := second.report_proto("pending")).status != "running" and r, timeout=10)
+        assert report.status == "incomplete" and report.steps_compared == 2
+    finally:
+        second.stop(grace=0.5)
