@@ -1,13 +1,43 @@
 """Step-time overhead of twinstep's hooks, and of its peer msprobe's, measured in one run.
 
-    python benchmarks/overhead.py [--framework torch|paddle|both] [--hidden 256 [1024 ...]]
-                                  [--steps 20] [--block 5] [--warmup 2] [--tensors] [--control]
-                                  [--no-peer] [--sustained STEPS] [--server-nice N]
+    python benchmarks/overhead.py [--model demo|hf-llama|hf-phi3|pf-llama|pf-phi3]
+                                  [--framework torch|paddle|both] [--hidden 256 [1024 ...]]
+                                  [--threads N|all] [--steps 20] [--block 5] [--warmup 2]
+                                  [--tensors] [--control] [--no-peer] [--sustained STEPS]
+                                  [--server-nice N]
 
-Every row trains the demo transformer at issue 4's reference size (4 layers,
-hidden 256 unless --hidden says otherwise, seq 128, batch 8, CPU, one thread)
-from the same initial weights on the same batches, and only the tool watching
-it differs:
+Every row trains the same model from the same initial weights on the same
+batches, and only the tool watching it differs.  By default (``--model demo``)
+the model is the demo transformer at issue 4's reference size (4 layers,
+hidden 256 unless --hidden says otherwise, seq 128, batch 8, CPU), in torch and
+paddle (``--framework``).  The demo is hand-written; what users train are
+library classes, with other modules (RMSNorm, rotary embeddings, gated MLPs with a
+third projection, Phi3's fused qkv and gate/up projections, a causal-LM wrapper
+whose output is a ModelOutput or a tuple) and the library's own forward code
+(attention dispatch, SDPA in transformers), so ``--model`` trains one of those
+instead (issue 15):
+
+    hf-llama, hf-phi3   transformers' LlamaForCausalLM / Phi3ForCausalLM (torch)
+    pf-llama, pf-phi3   paddleformers' LlamaForCausalLM / Phi3ForCausalLM (paddle)
+
+built from a config with the library's random initial weights (nothing is
+downloaded): 4 layers, hidden 256 (--hidden), 8 heads, intermediate 4x hidden,
+seq 128, batch 8, a 1024-token vocabulary so that the LM head does not dominate,
+AdamW and next-token cross-entropy on seeded random token batches.
+benchmarks/overhead_models.py builds them and lists every setting.  A real
+model runs in its own library's framework only; each row's process imports only
+that framework and model library.  Every row attaches twinstep to the model as
+a user would: ``twinstep.attach(model, session=..., run=..., server=...)``
+after building the model and its optimizer, ``mon.step(loss=loss)`` after
+``optimizer.step()``.
+
+The training uses one thread (torch.set_num_threads, OpenMP for paddle), so the
+rows and the server do not fight over cores and the ratios stay readable on a
+small machine; ``--threads N`` trains with N threads, ``--threads all`` with
+every core, as a user's training would: then the training shares its cores
+with twinstep's sender process and the server, and the ratio includes that.
+
+The rows:
 
     unhooked            no tool
     twinstep stats      twinstep.attach(capture="stats")
@@ -49,6 +79,8 @@ The peer is PyPI's mindstudio-probe, pinned (with torch and paddle) by the
 
 Without it the msprobe rows are skipped with a note.  Hidden 1024 steps take
 seconds each on CPU: there use e.g. ``--steps 6 --block 2 --warmup 1``.
+The transformers models need ``transformers`` (and torch), the paddleformers
+ones ``paddleformers`` (and paddle); neither is in the ``bench`` extra.
 """
 
 from __future__ import annotations
@@ -65,6 +97,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -73,6 +106,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from twinstep import kernels  # noqa: E402
 from twinstep.demo import spec  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overhead_models  # noqa: E402  (benchmarks/overhead_models.py: the --model classes)
 
 PEER_PACKAGE = "mindstudio-probe"
 PEER_VERSION = "26.2.0"
@@ -252,15 +288,27 @@ class _Msprobe(_Tool):
         return {"disk_bytes_per_step": size / max(self.steps, 1)}
 
 
-def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, server: str, workdir: str) -> None:
+def _trainer(model: str, framework: str, cfg: Any, threads: int) -> tuple[Any, Callable[[int], Any]]:
+    """One row's trainer (the model, its AdamW and loss) and its batch of a step, the same for every row."""
+    if model == "demo":
+        from twinstep.demo.job import PaddleTrainer, TorchTrainer
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # paddle's OpenMP reads it on import
+        trainer = (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)
+        if framework == "torch":
+            trainer.torch.set_num_threads(threads)  # TorchTrainer sets one thread
+        return trainer, lambda step: spec.batch(step, 0, cfg)
+    return overhead_models.build(model, cfg, threads), lambda step: overhead_models.batch(step, cfg)
+
+
+def _worker(conn: Connection, framework: str, cfg: Any, row: Row, server: str, workdir: str,
+            model: str = "demo", threads: int = 1) -> None:
     """Train one copy under one row's tool, timing the blocks of steps the parent asks for."""
     log = os.open(os.path.join(workdir, "log.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)  # msprobe logs every start/stop: keep the table readable
     os.dup2(log, 2)
     try:
-        from twinstep.demo.job import PaddleTrainer, TorchTrainer
-
-        trainer = (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)
+        trainer, batch = _trainer(model, framework, cfg, threads)
         tool: _Tool
         if row.tool == "twinstep":
             tool = _Twinstep(trainer.inner, framework, row.mode, server, row.sender)
@@ -279,7 +327,7 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
             dropped_before = tool.dropped()
             helper_before = tool.helper_cpu()
             for step in payload:
-                ids, tgt = spec.batch(step, 0, cfg)
+                ids, tgt = batch(step)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 tool.begin()
                 loss = trainer.train_step(ids, tgt)
@@ -309,11 +357,13 @@ def _worker(conn: Connection, framework: str, cfg: spec.ModelConfig, row: Row, s
 class Worker:
     """Parent-side handle on one row's process."""
 
-    def __init__(self, ctx: Any, framework: str, cfg: spec.ModelConfig, row: Row, server: str, tmp: str) -> None:
+    def __init__(self, ctx: Any, framework: str, cfg: Any, row: Row, server: str, tmp: str,
+                 model: str = "demo", threads: int = 1) -> None:
         self.row = row
         self.workdir = tempfile.mkdtemp(prefix=row.label.replace(" ", "-") + "-", dir=tmp)
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, framework, cfg, row, server, self.workdir), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, framework, cfg, row, server, self.workdir, model, threads),
+                                daemon=True)
         saved = os.environ.get(kernels.ENV_SWITCH)
         if row.mode == "stats-numpy":
             os.environ[kernels.ENV_SWITCH] = "0"  # read when the spawned interpreter imports twinstep
@@ -360,14 +410,15 @@ class Worker:
             self.proc.kill()
 
 
-def measure(framework: str, cfg: spec.ModelConfig, rows: list[Row], server: str, steps: int, block: int,
-            warmup: int, tmp: str, sustained: int = 0) -> tuple[list[Worker], dict[Row, dict[str, Any]], list[str]]:
+def measure(framework: str, cfg: Any, rows: list[Row], server: str, steps: int, block: int,
+            warmup: int, tmp: str, sustained: int = 0, model: str = "demo",
+            threads: int = 1) -> tuple[list[Worker], dict[Row, dict[str, Any]], list[str]]:
     """Run every row's process in turn, a block at a time; returns workers, summaries and notes."""
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no tool state is inherited
     workers: list[Worker] = []
     notes: list[str] = []
     for row in rows:
-        workers.append(Worker(ctx, framework, cfg, row, server, tmp))
+        workers.append(Worker(ctx, framework, cfg, row, server, tmp, model, threads))
     ready: list[Worker] = []
     for w in workers:
         try:
@@ -479,7 +530,14 @@ def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[R
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--framework", choices=("torch", "paddle", "both"), default="both")
+    parser.add_argument("--model", choices=("demo",) + overhead_models.MODELS, default="demo",
+                        help="what to train: the demo transformer, or a transformers (hf-) or paddleformers (pf-) "
+                             "causal LM built from a config (see benchmarks/overhead_models.py)")
+    parser.add_argument("--framework", choices=("torch", "paddle", "both"), default=None,
+                        help="demo: both by default; a real model trains in its own library's framework")
+    parser.add_argument("--threads", default="1", metavar="N|all",
+                        help="threads the training uses (torch.set_num_threads, OpenMP for paddle); "
+                             "all: every core of this machine")
     parser.add_argument("--hidden", type=int, nargs="+", default=[256], help="one table per size, e.g. 256 1024")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -498,8 +556,20 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps < 1 or args.block < 1 or args.warmup < 0:
         parser.error("--steps and --block must be >= 1, --warmup >= 0")
+    if args.threads == "all":
+        threads = len(os.sched_getaffinity(0))
+    elif args.threads.isdigit() and int(args.threads) >= 1:
+        threads = int(args.threads)
+    else:
+        parser.error("--threads takes a number >= 1 or 'all'")
+    if args.model == "demo":
+        framework = args.framework or "both"
+        frameworks = ("torch", "paddle") if framework == "both" else (framework,)
+    else:
+        frameworks = (overhead_models.framework(args.model),)
+        if args.framework not in (None, "both", frameworks[0]):
+            parser.error(f"--model {args.model} trains with {frameworks[0]}, not {args.framework}")
     peer = not args.no_peer and peer_installed()
-    frameworks = ("torch", "paddle") if args.framework == "both" else (args.framework,)
     port = free_port()
     nice = ["nice", "-n", str(args.server_nice)] if args.server_nice else []
     server = subprocess.Popen(nice + [sys.executable, "-m", "twinstep", "serve", "--port", str(port)],
@@ -507,18 +577,28 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="twinstep-overhead-")
     try:
         time.sleep(1.5)
-        print(f"model: {args.layers} layers, seq {args.seq}, batch {args.batch}, CPU, 1 thread; {args.steps} timed "
+        if args.model == "demo":
+            what = f"model: {args.layers} layers, seq {args.seq}, batch {args.batch}"
+        else:
+            what = "model: " + overhead_models.describe(args.model, overhead_models.ModelSize(
+                layers=args.layers, seq=args.seq, batch=args.batch))
+        print(f"{what}, CPU, {threads} thread{'s' if threads > 1 else ''}; {args.steps} timed "
               f"steps per row after {args.warmup} warm-up, blocks of {args.block}, median step time"
               + (f"; server at niceness {args.server_nice}" if args.server_nice else ""))
         if not args.no_peer and not peer and "torch" in frameworks:
             print(f"msprobe rows skipped: {PEER_PACKAGE} is not installed; install it with: {PEER_INSTALL}")
         for hidden in args.hidden:
-            cfg = spec.ModelConfig(vocab=512, hidden=hidden, heads=4, layers=args.layers, seq=args.seq,
-                                   batch=args.batch)
+            cfg: Any
+            if args.model == "demo":
+                cfg = spec.ModelConfig(vocab=512, hidden=hidden, heads=4, layers=args.layers, seq=args.seq,
+                                       batch=args.batch)
+            else:
+                cfg = overhead_models.ModelSize(hidden=hidden, layers=args.layers, seq=args.seq, batch=args.batch)
             for framework in frameworks:
                 rows = rows_for(framework, args.tensors, peer, args.control)
                 workers, summaries, notes = measure(framework, cfg, rows, f"127.0.0.1:{port}", args.steps,
-                                                    args.block, args.warmup, tmp, args.sustained)
+                                                    args.block, args.warmup, tmp, args.sustained, args.model,
+                                                    threads)
                 report(framework, hidden, workers, summaries)
                 for note in notes:
                     print(f"        {note}")
