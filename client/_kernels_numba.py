@@ -57,29 +57,37 @@ _SIGNATURES = [
 
 
 def _moments(x):  # noqa: ANN001, ANN202
-    """(sum, sum of squares, min, max) of a non-empty 1-D array in one pass."""
+    """(sum, sum of squares, min, max) of a non-empty 1-D array in one pass.
+
+    Each row runs a loop of a fixed trip count (``range(m)``, indexed from the
+    row's base): LLVM vectorises it (16 float32 lanes with AVX-512).  A row
+    loop bounded by ``range(start, min(start + ROW, n))`` stays scalar, 7.5x
+    slower (346 against 46 us per 4 MB here: benchmarks/stats_kernels.py).
+    """
     n = x.size
     total = 0.0
     sum_sq = 0.0
     lo = x[0]
     hi = x[0]
     zero = x[0] - x[0]  # 0 in the array's dtype (NaN if x[0] is: then the sums are NaN anyway)
-    for start in range(0, n, ROW):
-        end = min(start + ROW, n)
+    full = n // ROW
+    for r in range(full + 1):
+        base = r * ROW
+        m = ROW if r < full else n - base
         s = zero
         q = zero
-        row_lo = x[start]
-        row_hi = x[start]
-        for i in range(start, end):
-            v = x[i]
+        row_lo = lo
+        row_hi = hi
+        for j in range(m):
+            v = x[base + j]
             s += v
             q += v * v
             row_lo = _fmin(row_lo, v)
             row_hi = _fmax(row_hi, v)
         total += s
         sum_sq += q
-        lo = _fmin(lo, row_lo)
-        hi = _fmax(hi, row_hi)
+        lo = row_lo
+        hi = row_hi
     return total, sum_sq, np.float64(lo), np.float64(hi)
 
 

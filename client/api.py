@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from twinstep import environment
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.capture.recorder import CaptureCost
 from twinstep.capture.health import describe_error
 from twinstep.errors import Halted
 from twinstep.transport import ClientStats, Sender, StreamClient, StreamConfig
@@ -131,6 +132,11 @@ class Monitor:
     def current_step(self) -> int:
         """Index of the step in progress (``start_step`` plus the number of completed ``step()`` calls)."""
         return self._step
+
+    @property
+    def capture_cost(self) -> CaptureCost:
+        """What capture read so far: bytes read against bytes captured, and where statistics ran."""
+        return self._recorder.cost
 
     @property
     def stats(self) -> ClientStats:
@@ -262,6 +268,7 @@ def attach(
     tls_client_cert: str | None = None,
     tls_client_key: str | None = None,
     insecure: bool | None = None,
+    stats_workers: int = 1,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
 
@@ -319,6 +326,12 @@ def attach(
             server is reached in plaintext and any other one over TLS.
             An empty string for a file or token means none (the environment
             is not read).
+        stats_workers: threads computing the statistics of CPU tensors while the
+            training computes (they release the GIL: give them a free core); 0
+            computes them in the hooks, on the training thread.  A tensor
+            modified in place after its capture is detected and computed in its
+            hook from then on; accelerator tensors keep their statistics on the
+            device either way.
     """
     target = server or os.environ.get(ENV_SERVER, "")
     if not target:
@@ -351,7 +364,7 @@ def attach(
         server=target,
         capture=CaptureConfig(
             capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward,
-            sketch=sketch,
+            sketch=sketch, stats_workers=stats_workers,
         ),
         rank=resolved_rank,
         world_size=resolved_world,

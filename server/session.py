@@ -305,6 +305,8 @@ class Session:
             self._journal_step(conn, message, pieces)
             self._delivered(conn, rank_state, data.step, message)
             rank_state.records_received += len(message.phase)
+            if message.HasField("cost"):
+                rank_state.add_cost(message.cost)
             pairs = aligner.add(conn.run or "", data, self.baseline, self.members.compared_runs,
                                 keep_baseline=not self.candidates)
             for run_name in self.runs:

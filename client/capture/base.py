@@ -85,6 +85,29 @@ class CaptureBackend(ABC):
         host values themselves.
         """
 
+    def host_stats_task(self, tensor: Tensor) -> Callable[[], tuple[float, ...]] | None:
+        """A function computing ``tensor``'s statistics row that any thread may run, or None (hot).
+
+        It must read the tensor's memory only through a host view (no framework
+        call: frameworks' eager modes are not all thread-safe) and must keep
+        that memory alive.  None for accelerator tensors (their statistics stay
+        on the device), tensors too small to be worth a hand-off, and anything
+        the backend would rather compute in the hook.
+        """
+        return None
+
+    def copy_stats_task(self, copy: Any) -> Callable[[], tuple[float, ...]] | None:
+        """As :meth:`host_stats_task`, for a host copy that :meth:`host_copy` returned."""
+        return None
+
+    def identity(self, tensor: Tensor) -> Any:
+        """A key equal for two handles of the same tensor while both live (hot): reads are shared by it."""
+        return id(tensor)
+
+    def is_host(self, tensor: Tensor) -> bool:
+        """True when ``tensor`` lives in host memory (a CPU tensor)."""
+        return False
+
     @abstractmethod
     def stats_to_host(self, handles: list[Any]) -> np.ndarray:
         """Stack statistics into one float64 array [n, len(DEVICE_FIELDS)], one copy per device."""

@@ -15,7 +15,6 @@ import fnmatch
 import functools
 import logging
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,6 +23,7 @@ import numpy as np
 from twinstep.capture.base import CaptureBackend, RemovableHandle
 from twinstep.capture.buffers import HostBufferPool, HostMemory, HostTensor
 from twinstep.capture.health import CaptureHealth, describe_error
+from twinstep.capture.offload import DEFAULT_TIMEOUT, StatsOffload, StatsTask
 from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
 from twinstep.layouts import is_in_out
 from twinstep.sketch import SketchSpec
@@ -35,7 +35,7 @@ logger = logging.getLogger("twinstep")
 #: Dtypes that are sketched (integer and boolean tensors compare exactly by their statistics).
 _FLOATS = frozenset({"float32", "float16", "bfloat16", "float64"})
 
-#: (weak reference, in-place version, record index) of a tensor recorded this step.
+#: (the tensor, its in-place version, record index) of a tensor recorded this step.
 _Seen = tuple[Any, Any, int]
 
 #: What a run may capture: statistics, plus full tensors sent losslessly or within the server's error budget.
@@ -72,6 +72,12 @@ class CaptureConfig:
     """Record each module's first input, so the server can tell a module that creates an
     error from one that inherits it.  Nearly free: an input that another hooked module
     produced reuses that module's statistics."""
+    stats_workers: int = 1
+    """Threads that compute CPU tensors' statistics off the training thread, while it
+    computes (twinstep.capture.offload).  0: on the training thread, in the hook."""
+    stats_timeout: float = DEFAULT_TIMEOUT
+    """Seconds the step boundary waits for outstanding statistics; past it they are
+    counted as not captured and later steps compute inline."""
 
     def __post_init__(self) -> None:
         if self.capture not in CAPTURE_MODES:
@@ -82,6 +88,10 @@ class CaptureConfig:
         self.exclude = tuple(self.exclude)
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be a positive integer, got {self.every!r}")
+        if not isinstance(self.stats_workers, int) or self.stats_workers < 0:
+            raise ValueError(f"stats_workers must be a non-negative integer, got {self.stats_workers!r}")
+        if not self.stats_timeout > 0:
+            raise ValueError(f"stats_timeout must be positive, got {self.stats_timeout!r}")
 
     def selects(self, module_name: str) -> bool:
         return any(fnmatch.fnmatchcase(module_name, p) for p in self.include) and not any(
@@ -91,6 +101,52 @@ class CaptureConfig:
 
 class StepNotCaptured(RuntimeError):
     """Every record of a step failed: nothing of it can be delivered (a whole-step gap)."""
+
+
+class ModifiedInPlace(RuntimeError):
+    """A tensor changed in place between its capture and the end of its step, while its statistics were read off the training thread."""
+
+    def __init__(self) -> None:
+        super().__init__("modified in place after capture, while its statistics were computed off the training "
+                         "thread; this record is computed on the training thread from the next step on")
+
+
+class StatisticsLate(RuntimeError):
+    """Statistics not ready within ``stats_timeout`` of the step's end."""
+
+
+#: (phase, target, call, slot): a record's place in every step, for what the recorder learns across steps.
+_Key = tuple[int, int, int, int]
+
+
+@dataclass
+class CaptureCost:
+    """What capture read and where, for one step or summed over steps (sent with each step)."""
+
+    bytes_captured: int = 0
+    """Bytes of every record's tensor: what a capture reading each record separately would read."""
+    bytes_read: int = 0
+    """Bytes read from the training's tensors: once per distinct tensor (statistics, copy, sketch)."""
+    offloaded: int = 0
+    """Statistics passes run off the training thread."""
+    inline: int = 0
+    """Statistics passes run on the training thread (small tensors, accelerators, first sightings)."""
+    boundary_seconds: float = 0.0
+    """Training-thread time at the step boundary helping and waiting for the offloaded passes."""
+    steps: int = 0
+
+    def add(self, other: "CaptureCost") -> None:
+        self.bytes_captured += other.bytes_captured
+        self.bytes_read += other.bytes_read
+        self.offloaded += other.offloaded
+        self.inline += other.inline
+        self.boundary_seconds += other.boundary_seconds
+        self.steps += other.steps
+
+    def to_proto(self) -> pb.CaptureCost:
+        return pb.CaptureCost(bytes_captured=self.bytes_captured, bytes_read=self.bytes_read,
+                              stats_offloaded=self.offloaded, stats_inline=self.inline,
+                              boundary_us=int(self.boundary_seconds * 1e6), steps=self.steps)
 
 
 @dataclass
@@ -122,6 +178,8 @@ class StepBatch:
     """(buckets, seed) of the sketches."""
     incomplete: tuple[int, ...] = ()
     """Phases in which some record of this step could not be captured (they are absent)."""
+    cost: CaptureCost = field(default_factory=CaptureCost)
+    """What capturing this step read (twinstep.capture.recorder.CaptureCost)."""
 
     def dims_of(self, record: int) -> tuple[int, ...]:
         """The shape of one record (dims are stored flat, ndim[i] at a time)."""
@@ -144,7 +202,7 @@ class _StepBuffer:
 
     __slots__ = (
         "phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced",
-        "grads", "sketches", "copied",
+        "grads", "sketches", "copied", "tasks", "checks", "cost",
     )
 
     def __init__(self) -> None:
@@ -159,13 +217,18 @@ class _StepBuffer:
         self.copied: dict[int, HostTensor] = {}  # record index -> its host copy
         self.calls: dict[int, int] = {}
         self.overflow = 0
-        # id(tensor) -> (weak reference, in-place version, record index) of the tensors recorded
-        # this step: a tensor recorded again (a container returns its last child's output, an
+        # identity -> (tensor, in-place version, record index) of the tensors recorded this step: a tensor recorded again (a container returns its last child's output, an
         # input is another module's output, two hooks receive one gradient) reuses its statistics.
         self.produced: dict[int, _Seen] = {}
         self.grads: dict[int, _Seen] = {}
         # record index -> device sketch handle
         self.sketches: dict[int, Any] = {}
+        self.tasks: list[StatsTask] = []
+        # (key, tensor, in-place version at capture, its task or None): statistics read from a live
+        # tensor that later training code could modify; checked at the step boundary.  The tensor is held
+        # until then so its version counter can still be read.
+        self.checks: list[tuple[_Key, Any, Any, StatsTask | None]] = []
+        self.cost = CaptureCost(steps=1)
 
 
 class Recorder:
@@ -177,6 +240,7 @@ class Recorder:
         self.config = config
         self._handles: list[RemovableHandle] = []
         self._module_ids: dict[str, int] = {}
+        self._module_names: list[str] = []
         self._new_modules: list[pb.ModuleInfo] = []
         self._buffer = _StepBuffer()
         self._active = True
@@ -194,11 +258,20 @@ class Recorder:
                 max_free_bytes=host_pool_bytes, on_discard=host_memory.discard if host_memory else None,
             ) if config.capture != "stats" else None
         )
+        self._offload = StatsOffload(config.stats_workers, config.stats_timeout) if config.stats_workers else None
+        # Records seen unmodified from capture to their step's end (their statistics may be read off the
+        # training thread), and records some training code modified in place (always read in the hook).
+        self._settled: set[_Key] = set()
+        self._volatile: set[_Key] = set()
+        self.cost = CaptureCost()
+        """Summed over the captured steps."""
         # Parameters stored as the transpose of the canonical layout: sketched by the canonical index.
         self._transposed: set[int] = set()
-        for name, module in backend.named_modules(model):
-            if config.selects(name):
-                self._handles.append(backend.add_output_hook(module, self._output_hook(name, type(module).__name__)))
+        # Hooks are attached only while a step is captured: a step that is not captured runs the model untouched.
+        self._hooked = [(module, self._output_hook(name, type(module).__name__))
+                        for name, module in backend.named_modules(model) if config.selects(name)]
+        self._removed = False
+        self._attach_hooks()
         if config.parameters:
             for name, param, owner, owner_type in backend.named_parameters(model):
                 if not config.selects(owner):
@@ -232,6 +305,7 @@ class Recorder:
         if module_id is None:
             module_id = len(self._module_ids)
             self._module_ids[name] = module_id
+            self._module_names.append(name)
             self._new_modules.append(pb.ModuleInfo(id=module_id, name=name, type=module_type))
         buffer = self._buffer
         call = buffer.calls.get(module_id, 0)
@@ -254,12 +328,16 @@ class Recorder:
 
     def _add_input(self, module_id: int, call: int, tensor: Any) -> None:
         buffer = self._buffer
-        source = _recorded(buffer.produced, tensor, self.backend.inplace_version)
-        if source is not None:  # another module's output: same numbers, no new pass over the tensor
+        backend = self.backend
+        source = _recorded(buffer.produced, tensor, backend)
+        if source is not None:  # another module's output or input: same numbers, no new pass over the tensor
             self._append(pb.INPUT, module_id, call, 0, buffer.dtype[source], buffer.shapes[source], buffer.stats[source])
             return
-        dtype, shape = self.backend.describe(tensor)
-        self._append(pb.INPUT, module_id, call, 0, DTYPE_TO_WIRE[dtype], shape, self.backend.device_stats(tensor))
+        dtype, shape = backend.describe(tensor)
+        stats = self._statistics((pb.INPUT, module_id, call, 0), tensor, _nbytes_of(dtype, shape))
+        index = self._append(pb.INPUT, module_id, call, 0, DTYPE_TO_WIRE[dtype], shape, stats)
+        if index is not None:
+            buffer.produced[backend.identity(tensor)] = (tensor, backend.inplace_version(tensor), index)
 
     def _grad_hook(self, module_id: int, call: int, slot: int, name: str) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
@@ -285,10 +363,20 @@ class Recorder:
             buffer.overflow += 1
             return None
         backend = self.backend
-        source = _recorded(seen, tensor, backend.inplace_version) if seen else None
+        source = _recorded(seen, tensor, backend) if seen else None
+        copy = pooled = None
         if source is None:
             dtype, shape = backend.describe(tensor)
-            wire, stats = DTYPE_TO_WIRE[dtype], backend.device_stats(tensor)
+            wire = DTYPE_TO_WIRE[dtype]
+            nbytes = _nbytes_of(dtype, shape)
+            if self.config.capture != "stats":
+                # Tensor modes read the tensor once, into a private copy; the statistics read the copy,
+                # which nothing modifies, off the training thread where the copy is on the host.
+                copy, pooled = backend.host_copy(tensor, self._pool)
+                buffer.cost.bytes_read += nbytes
+                stats = self._statistics_of_copy(tensor, copy, nbytes)
+            else:
+                stats = self._statistics((phase, target, call, slot), tensor, nbytes)
         else:
             wire, shape, stats = buffer.dtype[source], buffer.shapes[source], buffer.stats[source]
             dtype = WIRE_TO_DTYPE[wire]
@@ -299,13 +387,12 @@ class Recorder:
             shared = buffer.copied.get(source) if source is not None else None
             if shared is not None:  # the same tensor again: sent once, for both records
                 shared.records.append(index)
-            else:
-                copy, pooled = backend.host_copy(tensor, self._pool)
+            elif copy is not None:
                 host = HostTensor([index], dtype, copy, pooled, _nbytes(copy))
                 buffer.tensors.append(host)
                 buffer.copied[index] = host
         if seen is not None and source is None:
-            seen[id(tensor)] = (weakref.ref(tensor), backend.inplace_version(tensor), index)
+            seen[backend.identity(tensor)] = (tensor, backend.inplace_version(tensor), index)
         sketcher = self._sketcher
         if sketcher is not None and dtype in _FLOATS:
             if source is not None and source in buffer.sketches:
@@ -313,7 +400,60 @@ class Recorder:
             elif math.prod(shape) > sketcher.spec.buckets:
                 transpose = phase in (pb.GRAD, pb.PARAM) and target in self._transposed
                 buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose)
+                buffer.cost.bytes_read += _nbytes_of(dtype, shape)
         return index
+
+    def _statistics(self, key: _Key, tensor: Any, nbytes: int) -> Any:
+        """The statistics of a live tensor: a row, a device handle, or a task of the offload pool.
+
+        Off the training thread only where it is safe to read later: recorded at the
+        step boundary (nothing runs between that and the wait), or a record seen in an
+        earlier step unmodified until its step's end.  A record seen for the first time
+        is read here, and checked at the step's end: modified in place after the hook,
+        it stays on the training thread for good.  The check at the boundary also
+        guards the offloaded reads: one whose tensor changed is dropped, never sent.
+        """
+        buffer = self._buffer
+        buffer.cost.bytes_read += nbytes
+        offload = self._offload
+        backend = self.backend
+        if offload is None or offload.broken or key in self._volatile:
+            buffer.cost.inline += 1
+            return backend.device_stats(tensor)
+        task_fn = backend.host_stats_task(tensor)
+        if task_fn is None:  # an accelerator's no-sync path, or too small to be worth a hand-off
+            buffer.cost.inline += 1
+            return backend.device_stats(tensor)
+        version = backend.inplace_version(tensor)
+        at_boundary = key[0] in _BOUNDARY_PHASES
+        if version is None and not at_boundary:  # no counter to check: read now
+            buffer.cost.inline += 1
+            return backend.device_stats(tensor)
+        if at_boundary or key in self._settled:
+            task = offload.submit(task_fn)
+            buffer.tasks.append(task)
+            buffer.cost.offloaded += 1
+            if not at_boundary:
+                buffer.checks.append((key, tensor, version, task))
+            return task
+        buffer.cost.inline += 1
+        buffer.checks.append((key, tensor, version, None))
+        return backend.device_stats(tensor)
+
+    def _statistics_of_copy(self, tensor: Any, copy: Any, nbytes: int) -> Any:
+        """Statistics of a tensor-mode record, from its private host copy (off the thread when on the host)."""
+        buffer = self._buffer
+        offload = self._offload
+        task_fn = None
+        if offload is not None and not offload.broken and self.backend.is_host(tensor):
+            task_fn = self.backend.copy_stats_task(copy)
+        if task_fn is None:
+            buffer.cost.inline += 1
+            return self.backend.device_stats(tensor)
+        task = offload.submit(task_fn)
+        buffer.tasks.append(task)
+        buffer.cost.offloaded += 1
+        return task
 
     def _append(self, phase: int, target: int, call: int, slot: int, dtype: int, shape: tuple[int, ...], stats: Any) -> int | None:
         buffer = self._buffer
@@ -321,6 +461,7 @@ class Recorder:
             buffer.overflow += 1
             return None
         buffer.stats.append(stats)
+        buffer.cost.bytes_captured += _ITEMSIZE.get(WIRE_TO_DTYPE.get(dtype, ""), 4) * math.prod(shape)
         buffer.phase.append(phase)
         buffer.target.append(target)
         buffer.call.append(call)
@@ -339,10 +480,29 @@ class Recorder:
     # -- step boundary ------------------------------------------------------
 
     def set_active(self, active: bool, step: int | None = None) -> None:
-        """Capture (or not) the step that starts now; ``step`` names it in failure counts."""
+        """Capture (or not) the step that starts now; ``step`` names it in failure counts.
+
+        A step that is not captured runs with no hook attached at all (frameworks
+        take their fast path for a module without hooks).
+        """
         self._active = active
         if step is not None:
             self._step = step
+        if active:
+            self._attach_hooks()
+        else:
+            self._detach_hooks()
+
+    def _attach_hooks(self) -> None:
+        if self._handles or self._removed:
+            return
+        for module, hook in self._hooked:
+            self._handles.append(self.backend.add_output_hook(module, hook))
+
+    def _detach_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def take_new_modules(self) -> list[pb.ModuleInfo]:
         new, self._new_modules = self._new_modules, []
@@ -371,9 +531,11 @@ class Recorder:
                 self._add(pb.PARAM, pid, 0, 0, param)
             except Exception as error:
                 self._hook_failed(pb.PARAM, name, error)
+        self._settle(step, self._buffer)
         buffer, self._buffer = self._buffer, _StepBuffer()
         error, self._step_error = self._step_error, None
         incomplete, self._step_incomplete = self._step_incomplete, set()
+        self.cost.add(buffer.cost)
         if error is not None and not buffer.phase:
             raise StepNotCaptured(f"every record failed; the first: {describe_error(error)}") from error
         if buffer.overflow:
@@ -402,8 +564,67 @@ class Recorder:
             release=self._release if self._pool is not None else None,
             copies_ready=backend.host_copies_fence() if buffer.tensors else None,
             incomplete=tuple(sorted(incomplete)),
+            cost=buffer.cost,
             **self._sketch_columns(buffer, position),
         )
+
+    def _settle(self, step: int, buffer: _StepBuffer) -> None:
+        """Wait for the step's offloaded statistics, check what changed in place, and drop what cannot be trusted.
+
+        Runs on the training thread at the step boundary, when every in-place
+        operation of the step has completed and bumped its tensor's version.
+        """
+        if buffer.tasks and self._offload is not None:
+            buffer.cost.boundary_seconds += self._offload.drain(buffer.tasks)
+        bad: dict[int, BaseException] = {}  # id(stats object) -> why its records are dropped
+        for key, tensor, version, task in buffer.checks:
+            if self.backend.inplace_version(tensor) == version:
+                self._settled.add(key)
+                continue
+            self._settled.discard(key)
+            self._volatile.add(key)
+            if task is not None:  # read off the thread while training code wrote it: not trustworthy
+                bad[id(task)] = ModifiedInPlace()
+        buffer.checks = []
+        for task in buffer.tasks:
+            if task.error is not None:
+                bad.setdefault(id(task), task.error)
+            elif not task.done:
+                bad.setdefault(id(task), StatisticsLate(
+                    f"statistics not ready {self.config.stats_timeout:.0f} s after the step ended"))
+        buffer.tasks = []
+        if bad:
+            self._drop_records(step, buffer, bad)
+        buffer.stats = [s.result if isinstance(s, StatsTask) else s for s in buffer.stats]
+
+    def _drop_records(self, step: int, buffer: _StepBuffer, bad: dict[int, BaseException]) -> None:
+        """Remove the records whose statistics failed, keeping every column and index consistent."""
+        keep = [id(s) not in bad for s in buffer.stats]
+        for index, kept in enumerate(keep):
+            if not kept:
+                phase, target = buffer.phase[index], buffer.target[index]
+                self._hook_failed(phase, self._target_name(phase, target), bad[id(buffer.stats[index])])
+        new_index = np.cumsum(keep) - 1
+        for name in ("phase", "target", "call", "slot", "dtype", "shapes", "stats"):
+            column = getattr(buffer, name)
+            setattr(buffer, name, [v for v, kept in zip(column, keep) if kept])
+        tensors = []
+        for host in buffer.tensors:
+            host.records = [int(new_index[i]) for i in host.records if keep[i]]
+            if host.records:
+                tensors.append(host)
+            else:
+                self._release(host)
+        buffer.tensors = tensors
+        buffer.copied = {}
+        buffer.sketches = {int(new_index[i]): h for i, h in buffer.sketches.items() if keep[i]}
+
+    def _target_name(self, phase: int, target: int) -> str:
+        if phase in (pb.GRAD, pb.PARAM):
+            return self.parameters[target][1] if target < len(self.parameters) else str(target)
+        if phase == pb.LOSS:
+            return ""
+        return self._module_names[target] if target < len(self._module_names) else str(target)
 
     def _sketch_columns(self, buffer: _StepBuffer, position: np.ndarray) -> dict[str, Any]:
         """The step's sketches in one copy per device, rows in the order records go out."""
@@ -429,16 +650,21 @@ class Recorder:
         return self._pool
 
     def discard_step(self) -> None:
+        for task in self._buffer.tasks:
+            task.cancelled = True
         self._buffer = _StepBuffer()
         self._step_error = None
         self._step_incomplete = set()
 
     def remove(self) -> None:
         """Detach every hook; the model is left as it was."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._removed = True
+        self._detach_hooks()
         self._active = False
+        for task in self._buffer.tasks:
+            task.cancelled = True
+        if self._offload is not None:
+            self._offload.close()
 
 
 def _renumbered(host: HostTensor, position: np.ndarray) -> HostTensor:
@@ -447,14 +673,29 @@ def _renumbered(host: HostTensor, position: np.ndarray) -> HostTensor:
     return host
 
 
+#: Phases recorded at the step boundary, where no training code runs until the statistics are in.
+_BOUNDARY_PHASES = frozenset({pb.LOSS, pb.GRAD, pb.PARAM})
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "int16": 2, "int32": 4,
+             "int64": 8, "uint8": 1, "bool": 1}
+
+
+def _nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    return _ITEMSIZE.get(dtype, 4) * math.prod(shape)
+
+
 def _nbytes(copy: Any) -> int:
     size = getattr(copy, "nbytes", None)
     return int(size) if isinstance(size, (int, np.integer)) else int(copy.numel() * copy.element_size())
 
 
-def _recorded(seen: dict[int, _Seen], tensor: Any, version: Callable[[Any], Any]) -> int | None:
-    """Record index of ``tensor`` if recorded this step and not modified in place since."""
-    known = seen.get(id(tensor))
-    if known is not None and known[0]() is tensor and known[1] is not None and known[1] == version(tensor):
+def _recorded(seen: dict[Any, _Seen], tensor: Any, backend: CaptureBackend) -> int | None:
+    """Record index of ``tensor`` if recorded this step and not modified in place since.
+
+    The entry holds the first tensor until the step ends, so its identity (an
+    id, or a buffer address) cannot be reused by another tensor meanwhile.
+    """
+    known = seen.get(backend.identity(tensor))
+    if known is not None and known[1] is not None and known[1] == backend.inplace_version(tensor):
         return known[2]
     return None

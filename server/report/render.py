@@ -17,7 +17,7 @@ from twinstep.v1 import twinstep_pb2 as pb
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -107,6 +107,7 @@ def _run(r: pb.RunStatus) -> dict[str, Any]:
         "dropped_by_reason": dict(r.dropped_by_reason),
         "records_received": r.records_received,
         "steps_resent": r.steps_resent,
+        "capture_cost": _cost(r.capture_cost),
         "environment": dict(r.environment),
         "warnings": list(r.warnings),
         "capture_health": [
@@ -126,6 +127,23 @@ def _run(r: pb.RunStatus) -> dict[str, Any]:
             for h in r.health
         ],
     }
+
+
+def _cost(c: pb.CaptureCost) -> dict[str, Any] | None:
+    if not c.steps:
+        return None  # an older client, or no step received
+    return {"steps": c.steps, "bytes_captured": c.bytes_captured, "bytes_read": c.bytes_read,
+            "stats_offloaded": c.stats_offloaded, "stats_inline": c.stats_inline,
+            "boundary_seconds": c.boundary_us / 1e6}
+
+
+def describe_cost(c: pb.CaptureCost) -> str:
+    """One line: bytes read against bytes captured per step, and where the statistics ran."""
+    per_step = 1.0 / c.steps
+    passes = c.stats_offloaded + c.stats_inline
+    off = f", {100.0 * c.stats_offloaded / passes:.0f}% of statistics off the training thread" if passes else ""
+    return (f"read {c.bytes_read * per_step / 1e6:.1f} MB of {c.bytes_captured * per_step / 1e6:.1f} MB captured "
+            f"per step{off}, step-boundary wait {c.boundary_us * per_step / 1e3:.1f} ms")
 
 
 def _row(r: pb.ModuleRow) -> dict[str, Any]:
@@ -180,6 +198,8 @@ def render_text(report: pb.Report) -> str:
             + (f"  dropped {r.dropped}" if r.dropped else "")
             + ("  CAPTURE FAILING" if any(h.capture.failures or h.capture.failed_steps for h in r.health) else "")
         )
+        if r.capture_cost.steps:
+            lines.append(f"    capture: {describe_cost(r.capture_cost)}")
     lines.append(f"  steps compared: {report.steps_compared}")
     if report.status_reasons:
         heading = "not compared" if report.status == "incomplete" else "coverage"

@@ -58,6 +58,11 @@ class RankState:
     """Records accepted from this rank, each counted once (resent steps are not counted again)."""
     steps_resent: int = 0
     """Steps this rank sent again (after a reconnect or a server restart) that the server already held."""
+    capture_cost: pb.CaptureCost = field(default_factory=pb.CaptureCost)
+    """What capture read on this rank, summed over the steps received (each once)."""
+
+    def add_cost(self, cost: pb.CaptureCost) -> None:
+        add_cost(self.capture_cost, cost)
 
     def merge_dropped(self, counts: Mapping[str, int]) -> None:
         """Cumulative counters from the client: keep the largest seen (messages may come in any order)."""
@@ -255,6 +260,8 @@ class Membership:
                 records_received=sum(state.records_received for state in run.ranks.values()),
                 steps_resent=sum(state.steps_resent for state in run.ranks.values()),
             )
+            for state in run.ranks.values():
+                add_cost(status.capture_cost, state.capture_cost)
             for rank, state in sorted(run.ranks.items()):
                 if state.health is not None:
                     status.health.append(pb.RankHealth(rank=rank, capture=state.health))
@@ -266,3 +273,13 @@ class Membership:
                 status.environment.update(first_rank.environment)
             out.append(status)
         return out
+
+
+def add_cost(total: pb.CaptureCost, cost: pb.CaptureCost) -> None:
+    """Add one capture cost to a running sum (fields are counters)."""
+    total.bytes_captured += cost.bytes_captured
+    total.bytes_read += cost.bytes_read
+    total.stats_offloaded += cost.stats_offloaded
+    total.stats_inline += cost.stats_inline
+    total.boundary_us += cost.boundary_us
+    total.steps += cost.steps

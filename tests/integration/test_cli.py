@@ -43,6 +43,12 @@ def test_serve_report_and_watch(jobs, tmp_path):
         text = subprocess.run(CLI + ["report", "cli", "--server", address], capture_output=True, text=True, check=True).stdout
         marked = [line for line in text.splitlines() if "<== first divergence" in line]
         assert len(marked) == 1 and marked[0].split()[0] == "act"
+        # Per run, what capture read: the same sums as the JSON, per step.
+        capture_lines = [line.strip() for line in text.splitlines() if line.strip().startswith("capture: read ")]
+        assert len(capture_lines) == 2, text
+        cost = report["runs"][0]["capture_cost"]
+        assert f"read {cost['bytes_read'] / cost['steps'] / 1e6:.1f} MB of " \
+               f"{cost['bytes_captured'] / cost['steps'] / 1e6:.1f} MB captured per step" in capture_lines[0]
         assert "stage: forward" in text
 
         missing = subprocess.run(CLI + ["report", "nope", "--server", address], capture_output=True, text=True)

@@ -36,13 +36,16 @@ DETERMINISTIC = {"TWINSTEP_JIT": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS":
 def comparable(report: pb.Report) -> dict:
     """What must not change across a restart: the verdict, what was compared, what was found, every count.
 
-    Left out: attach-time environment and warnings, and ``steps_resent`` (how many resends a reconnect caused,
-    which depends on when the fault struck; exactly-once is checked on ``records_received``).
+    Left out: attach-time environment and warnings, ``steps_resent`` (how many resends a reconnect caused,
+    which depends on when the fault struck; exactly-once is checked on ``records_received``), and the
+    wall time capture waited at step boundaries (its byte counts stay: each step is counted once).
     """
     data = report_to_dict(report)
     for run in data.get("runs", []):
         for key in ("environment", "warnings", "steps_resent", "health"):
             run.pop(key, None)
+        if run.get("capture_cost"):
+            run["capture_cost"].pop("boundary_seconds")
     return data
 
 

@@ -23,6 +23,12 @@ def test_faithful_port_stays_aligned_for_20_steps(server, jobs):
     assert {r["name"]: r["state"] for r in report["runs"]} == {"torch": "finished", "paddle": "finished"}
     assert all(r["last_step"] == 19 and r["dropped"] == 0 for r in report["runs"])
     assert not base.halted and not cand.halted
+    for run in report["runs"]:  # what capture read, as each job counted it, summed by the server
+        cost = run["capture_cost"]
+        assert cost["steps"] == 20
+        # Each distinct tensor once: a block's input is the previous block's output, and so on.
+        assert 0 < cost["bytes_read"] < cost["bytes_captured"]
+        assert cost["stats_offloaded"] > 0 and cost["stats_inline"] > 0
 
 
 def test_gelu_tanh_bug_found_at_step0_forward_of_the_activation(server, jobs):

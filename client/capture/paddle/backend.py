@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Callable, Iterator
@@ -33,6 +34,9 @@ _NFIELDS = len(stats.DEVICE_FIELDS)
 _ZERO_ROW = (0.0,) * _NFIELDS
 #: From this many elements paddle.sum beats numpy's pairwise sum per byte; below, its fixed cost loses.
 _PADDLE_SUM_MIN = 1 << 15
+#: Elements from which statistics are handed to the offload pool (twinstep.capture.offload).
+_OFFLOAD_MIN = 1 << 14
+_HOST_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # dtype objects -> neutral names; str(dtype) costs microseconds on the hot path.
 _DTYPE_OBJECTS = {getattr(paddle, name): name for name in _DTYPE_NAMES if hasattr(paddle, name)}
 
@@ -104,6 +108,33 @@ class PaddleBackend(CaptureBackend):
         if x.place.is_cpu_place():
             return _host_row(x)
         return _device_row(x)
+
+    def host_stats_task(self, tensor: paddle.Tensor) -> Callable[[], tuple[float, ...]] | None:
+        x = tensor.detach()
+        if not x.place.is_cpu_place() or math.prod(x.shape) < _OFFLOAD_MIN:
+            return None
+        name = _dtype_name(x)
+        if name in ("float16", "bfloat16"):
+            x = x.astype("float32")  # a private float32 copy: float16 squares overflow and numpy has no bfloat16
+        elif name not in ("float32", "float64"):
+            return None
+        return functools.partial(stats.host_row, np.from_dlpack(x))  # the view keeps x's memory alive
+
+    def copy_stats_task(self, copy: np.ndarray) -> Callable[[], tuple[float, ...]] | None:
+        if not isinstance(copy, np.ndarray) or copy.dtype not in _HOST_FLOATS or copy.size < _OFFLOAD_MIN:
+            return None  # float16, bfloat16 bits, integers: computed in the hook from the tensor
+        return functools.partial(stats.host_row, copy)
+
+    def identity(self, tensor: paddle.Tensor) -> Any:
+        # Paddle hands each hook its own Python handle of one gradient: the buffer, its view and
+        # dtype identify the tensor (the recorder holds the first handle, so the address stays its).
+        try:
+            return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.strides), str(tensor.dtype))
+        except Exception:  # no buffer yet, or an old paddle: the handle alone
+            return id(tensor)
+
+    def is_host(self, tensor: paddle.Tensor) -> bool:
+        return tensor.place.is_cpu_place()
 
     def stats_to_host(self, handles: list[tuple[float, ...] | paddle.Tensor]) -> np.ndarray:
         on_device = [i for i, handle in enumerate(handles) if isinstance(handle, paddle.Tensor)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Iterator
@@ -34,6 +35,9 @@ _ZERO_ROW = (0.0,) * _NFIELDS
 #: From this many elements torch's sum and aminmax beat numpy's per byte (sum by 2x,
 #: aminmax by ~15%: one pass for both); below, their dispatch cost loses.
 _TORCH_REDUCE_MIN = 1 << 15
+#: Elements from which statistics are handed to the offload pool (twinstep.capture.offload): below,
+#: the hand-off (a queue append and a wake-up, ~5 us) costs more than the pass itself.
+_OFFLOAD_MIN = 1 << 14
 
 
 class TorchBackend(CaptureBackend):
@@ -101,6 +105,20 @@ class TorchBackend(CaptureBackend):
         if x.is_cpu:
             return _host_row(x)
         return _device_row(x)
+
+    def host_stats_task(self, tensor: torch.Tensor) -> Callable[[], tuple[float, ...]] | None:
+        x = tensor.detach()
+        if not x.is_cpu or x.layout is not torch.strided or not x.is_floating_point() or x.numel() < _OFFLOAD_MIN:
+            return None
+        if x.dtype in _WIDEN:
+            x = x.float()  # a private float32 copy: float16 squares overflow and numpy has no bfloat16
+        return functools.partial(stats.host_row, _view(_in_memory_order(x)))
+
+    def copy_stats_task(self, copy: torch.Tensor) -> Callable[[], tuple[float, ...]] | None:
+        return self.host_stats_task(copy)
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cpu
 
     def stats_to_host(self, handles: list[tuple[float, ...] | torch.Tensor]) -> np.ndarray:
         lazy = [i for i, handle in enumerate(handles) if isinstance(handle, torch.Tensor)]

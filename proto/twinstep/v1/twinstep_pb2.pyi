@@ -182,7 +182,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class StepRecords(_message.Message):
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PIECES_FIELD_NUMBER: _ClassVar[int]
     INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -218,7 +219,24 @@ class StepRecords(_message.Message):
     sketches: Sketches
     tensor_pieces: int
     incomplete: _containers.RepeatedScalarFieldContainer[Phase]
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ...) -> None: ...
+    cost: CaptureCost
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ...) -> None: ...
+
+class CaptureCost(_message.Message):
+    __slots__ = ("bytes_captured", "bytes_read", "stats_offloaded", "stats_inline", "boundary_us", "steps")
+    BYTES_CAPTURED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    STATS_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    STATS_INLINE_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_US_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    bytes_captured: int
+    bytes_read: int
+    stats_offloaded: int
+    stats_inline: int
+    boundary_us: int
+    steps: int
+    def __init__(self, bytes_captured: _Optional[int] = ..., bytes_read: _Optional[int] = ..., stats_offloaded: _Optional[int] = ..., stats_inline: _Optional[int] = ..., boundary_us: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("step", "record", "offset", "numel", "codec", "raw_nbytes", "error_bound", "quant_step", "same_records", "data")
@@ -410,7 +428,7 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent")
+    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent", "capture_cost")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +458,7 @@ class RunStatus(_message.Message):
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     RECORDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     STEPS_RESENT_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_COST_FIELD_NUMBER: _ClassVar[int]
     name: str
     baseline: bool
     framework: str
@@ -455,7 +474,8 @@ class RunStatus(_message.Message):
     reference: bool
     records_received: int
     steps_resent: int
-    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ...) -> None: ...
+    capture_cost: CaptureCost
+    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ..., capture_cost: _Optional[_Union[CaptureCost, _Mapping]] = ...) -> None: ...
 
 class RankHealth(_message.Message):
     __slots__ = ("rank", "capture")
