@@ -96,6 +96,14 @@ class CaptureBackend(ABC):
         """
         return None
 
+    def host_copy_task(self, tensor: Tensor, pool: HostBufferPool) -> Callable[[], tuple[Any, Any]] | None:
+        """A function making :meth:`host_copy`'s (copy, buffer) on any thread, or None (hot).
+
+        Offered only where :meth:`copy_stats_task` serves the copy it makes
+        (host floating tensors above the hand-off size).
+        """
+        return None
+
     def copy_stats_task(self, copy: Any) -> Callable[[], tuple[float, ...]] | None:
         """As :meth:`host_stats_task`, for a host copy that :meth:`host_copy` returned."""
         return None

@@ -73,8 +73,9 @@ class CaptureConfig:
     error from one that inherits it.  Nearly free: an input that another hooked module
     produced reuses that module's statistics."""
     stats_workers: int = 1
-    """Threads that compute CPU tensors' statistics off the training thread, while it
-    computes (twinstep.capture.offload).  0: on the training thread, in the hook."""
+    """Threads that compute CPU tensors' statistics (and, in tensor modes, make their host
+    copies) off the training thread, while it computes (twinstep.capture.offload).
+    0: on the training thread, in the hook."""
     stats_timeout: float = DEFAULT_TIMEOUT
     """Seconds the step boundary waits for outstanding statistics; past it they are
     counted as not captured and later steps compute inline."""
@@ -364,17 +365,13 @@ class Recorder:
             return None
         backend = self.backend
         source = _recorded(seen, tensor, backend) if seen else None
-        copy = pooled = None
+        host: HostTensor | None = None
         if source is None:
             dtype, shape = backend.describe(tensor)
             wire = DTYPE_TO_WIRE[dtype]
             nbytes = _nbytes_of(dtype, shape)
             if self.config.capture != "stats":
-                # Tensor modes read the tensor once, into a private copy; the statistics read the copy,
-                # which nothing modifies, off the training thread where the copy is on the host.
-                copy, pooled = backend.host_copy(tensor, self._pool)
-                buffer.cost.bytes_read += nbytes
-                stats = self._statistics_of_copy(tensor, copy, nbytes)
+                stats, host = self._copy((phase, target, call, slot), tensor, dtype, nbytes)
             else:
                 stats = self._statistics((phase, target, call, slot), tensor, nbytes)
         else:
@@ -387,8 +384,8 @@ class Recorder:
             shared = buffer.copied.get(source) if source is not None else None
             if shared is not None:  # the same tensor again: sent once, for both records
                 shared.records.append(index)
-            elif copy is not None:
-                host = HostTensor([index], dtype, copy, pooled, _nbytes(copy))
+            elif host is not None:
+                host.records.append(index)
                 buffer.tensors.append(host)
                 buffer.copied[index] = host
         if seen is not None and source is None:
@@ -439,6 +436,44 @@ class Recorder:
         buffer.cost.inline += 1
         buffer.checks.append((key, tensor, version, None))
         return backend.device_stats(tensor)
+
+    def _copy(self, key: _Key, tensor: Any, dtype: str, nbytes: int) -> tuple[Any, HostTensor]:
+        """Tensor modes: the record's private host copy and its statistics, read once from the tensor.
+
+        Where statistics may be read late (see :meth:`_statistics`: the same
+        rule and the same check at the step boundary), the copy itself is made
+        off the training thread, and the statistics come from the copy there;
+        otherwise the copy is made here and only its statistics leave.
+        """
+        buffer = self._buffer
+        buffer.cost.bytes_read += nbytes
+        backend = self.backend
+        offload = self._offload
+        usable = offload is not None and not offload.broken and key not in self._volatile and backend.is_host(tensor)
+        version = backend.inplace_version(tensor) if usable else None
+        at_boundary = key[0] in _BOUNDARY_PHASES
+        if usable and (at_boundary or (version is not None and key in self._settled)):
+            copy_fn = backend.host_copy_task(tensor, self._pool)
+            if copy_fn is not None:
+                host = HostTensor([], dtype, None, None, nbytes)
+                task = offload.submit(functools.partial(self._copy_and_reduce, copy_fn, host))
+                buffer.tasks.append(task)
+                buffer.cost.offloaded += 1
+                if not at_boundary:
+                    buffer.checks.append((key, tensor, version, task))
+                return task, host
+        copy, pooled = backend.host_copy(tensor, self._pool)
+        if usable and version is not None and not at_boundary:  # learn whether it could be copied late
+            buffer.checks.append((key, tensor, version, None))
+        return self._statistics_of_copy(tensor, copy, nbytes), HostTensor([], dtype, copy, pooled, _nbytes(copy))
+
+    def _copy_and_reduce(self, copy_fn: Callable[[], tuple[Any, Any]], host: HostTensor) -> Any:
+        """Worker thread: copy the tensor into its pooled buffer, then reduce the copy."""
+        host.copy, host.buffer = copy_fn()
+        reduce = self.backend.copy_stats_task(host.copy)
+        if reduce is None:
+            raise RuntimeError("no host statistics for this copy")  # host_copy_task promised one
+        return reduce()
 
     def _statistics_of_copy(self, tensor: Any, copy: Any, nbytes: int) -> Any:
         """Statistics of a tensor-mode record, from its private host copy (off the thread when on the host)."""

@@ -253,3 +253,60 @@ def test_a_forked_child_runs_its_own_workers():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     pool.close()
+
+
+def run_tensor_steps(framework: str, steps: int, workers: int, inplace_from: int | None = None):
+    """Tensor mode: per step, the statistics by record and the full tensors by record."""
+    model, train_step, zero = model_and_step(framework, inplace_from=inplace_from)
+    backend = backend_for(model)
+    recorder = Recorder(model, backend, CaptureConfig(capture="tensors", stats_workers=workers))
+    out = []
+    for step in range(steps):
+        recorder.set_active(True, step)
+        loss = train_step(step)
+        batch = recorder.finish_step(step, loss)
+        keys = list(zip(batch.phase.tolist(), batch.target.tolist(), batch.call_index.tolist(), batch.slot.tolist()))
+        tensors = {}
+        for host in batch.tensors:
+            array = np.array(backend.storage_array(host.copy))  # a copy: the buffer goes back to the pool
+            for record in host.records:
+                tensors[keys[record]] = array
+            recorder._release(host)
+        out.append((batch, keyed(batch), tensors))
+        zero()
+    return recorder, out
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("inplace_from", [None, 0])
+def test_tensor_mode_copies_off_the_thread_hold_the_hooks_numbers(framework, inplace_from):
+    """Copies made by the worker equal copies made in the hook, bit for bit, in-place writes included."""
+    _, reference = run_tensor_steps(framework, 4, workers=0, inplace_from=inplace_from)
+    recorder, offloaded = run_tensor_steps(framework, 4, workers=1, inplace_from=inplace_from)
+    for (_, stats_a, tensors_a), (batch, stats_b, tensors_b) in zip(reference, offloaded):
+        assert stats_a.keys() == stats_b.keys() and tensors_a.keys() == tensors_b.keys()
+        for key in stats_a:
+            np.testing.assert_array_equal(stats_a[key], stats_b[key], err_msg=f"step {batch.step} {key}")
+        for key in tensors_a:
+            np.testing.assert_array_equal(tensors_a[key], tensors_b[key], err_msg=f"step {batch.step} {key}")
+        assert not batch.incomplete
+    assert offloaded[-1][0].cost.offloaded > offloaded[0][0].cost.offloaded
+    fc1 = (pb.FORWARD, recorder._module_ids["fc1"], 0, 0)
+    assert (fc1 in recorder._volatile) == (inplace_from == 0)
+    if inplace_from == 0:
+        assert offloaded[-1][2][fc1].min() < 0  # the copy is the pre-ReLU output
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tensor_mode_drops_a_copy_written_in_place_after_it_was_learnt_safe(framework):
+    _, reference = run_tensor_steps(framework, 4, workers=0, inplace_from=2)
+    recorder, offloaded = run_tensor_steps(framework, 4, workers=1, inplace_from=2)
+    fc1 = (pb.FORWARD, recorder._module_ids["fc1"], 0, 0)
+    batch, stats, tensors = offloaded[2]
+    assert fc1 not in stats and fc1 not in tensors and pb.FORWARD in batch.incomplete
+    for (_, stats_a, tensors_a), (_, stats_b, tensors_b) in zip(reference, offloaded):
+        for key, array in tensors_b.items():  # every tensor sent equals the hook's copy
+            np.testing.assert_array_equal(tensors_a[key], array)
+        for key, row in stats_b.items():
+            np.testing.assert_array_equal(stats_a[key], row)
+    np.testing.assert_array_equal(reference[3][2][fc1], offloaded[3][2][fc1])

@@ -120,6 +120,25 @@ class PaddleBackend(CaptureBackend):
             return None
         return functools.partial(stats.host_row, np.from_dlpack(x))  # the view keeps x's memory alive
 
+    def host_copy_task(self, tensor: paddle.Tensor, pool: HostBufferPool) -> Callable[[], tuple[Any, Any]] | None:
+        x = tensor.detach()
+        if not x.place.is_cpu_place() or math.prod(x.shape) < _OFFLOAD_MIN:
+            return None
+        try:
+            view = np.from_dlpack(x)  # here, on the training thread: the worker runs numpy only
+        except Exception:
+            return None
+        if view.dtype not in _HOST_FLOATS:
+            return None
+
+        def copy() -> tuple[np.ndarray, Any]:
+            buffer = pool.take(view.nbytes)
+            out = buffer.view(view.dtype).reshape(view.shape)
+            np.copyto(out, view)
+            return out, buffer
+
+        return copy
+
     def copy_stats_task(self, copy: np.ndarray) -> Callable[[], tuple[float, ...]] | None:
         if not isinstance(copy, np.ndarray) or copy.dtype not in _HOST_FLOATS or copy.size < _OFFLOAD_MIN:
             return None  # float16, bfloat16 bits, integers: computed in the hook from the tensor

@@ -114,6 +114,12 @@ class TorchBackend(CaptureBackend):
             x = x.float()  # a private float32 copy: float16 squares overflow and numpy has no bfloat16
         return functools.partial(stats.host_row, _view(_in_memory_order(x)))
 
+    def host_copy_task(self, tensor: torch.Tensor, pool: HostBufferPool) -> Callable[[], tuple[Any, Any]] | None:
+        x = tensor.detach()
+        if not x.is_cpu or x.layout is not torch.strided or not x.is_floating_point() or x.numel() < _OFFLOAD_MIN:
+            return None
+        return functools.partial(self.host_copy, x, pool)  # torch's copy_ is thread-safe and releases the GIL
+
     def copy_stats_task(self, copy: torch.Tensor) -> Callable[[], tuple[float, ...]] | None:
         return self.host_stats_task(copy)
 
