@@ -42,16 +42,20 @@ DEFAULT_TIMEOUT = 10.0
 class StatsTask:
     """One queued statistics computation; ``result`` is set once it ran (or ``error`` once it failed)."""
 
-    __slots__ = ("fn", "result", "error", "done", "cancelled", "finished")
+    __slots__ = ("fn", "result", "error", "cancelled", "finished")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn: Callable[[], Any] | None = fn
         self.result: Any = None
         self.error: BaseException | None = None
-        self.done = False
         self.cancelled = False
         self.finished = False
         """Ran to its end, with a result or an error."""
+
+    @property
+    def done(self) -> bool:
+        """Ran to its end with a result."""
+        return self.finished and self.error is None
 
     def run(self) -> None:
         fn, self.fn = self.fn, None  # the tensor view goes with it: memory is freed as soon as possible
@@ -59,7 +63,6 @@ class StatsTask:
             return
         try:
             self.result = fn()
-            self.done = True
         except BaseException as error:  # reported on the training thread, as an inline failure would be
             self.error = error
         self.finished = True
@@ -118,12 +121,15 @@ class StatsOffload:
                 break
             task.run()
         deadline = started + self.timeout
+        waiting = 0  # tasks before this index have finished
         with self._cond:
             self._draining = True
             try:
-                while not all(t.finished for t in tasks):
+                while True:
+                    while waiting < len(tasks) and tasks[waiting].finished:
+                        waiting += 1
                     remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
+                    if waiting == len(tasks) or remaining <= 0:
                         break
                     self._cond.wait(min(remaining, 0.5))
             finally:

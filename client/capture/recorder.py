@@ -414,27 +414,24 @@ class Recorder:
         buffer.cost.bytes_read += nbytes
         offload = self._offload
         backend = self.backend
+        buffer.cost.inline += 1  # corrected below when handed off
         if offload is None or offload.broken or key in self._volatile:
-            buffer.cost.inline += 1
             return backend.device_stats(tensor)
-        task_fn = backend.host_stats_task(tensor)
-        if task_fn is None:  # an accelerator's no-sync path, or too small to be worth a hand-off
-            buffer.cost.inline += 1
-            return backend.device_stats(tensor)
-        version = backend.inplace_version(tensor)
         at_boundary = key[0] in _BOUNDARY_PHASES
-        if version is None and not at_boundary:  # no counter to check: read now
-            buffer.cost.inline += 1
-            return backend.device_stats(tensor)
-        if at_boundary or key in self._settled:
+        version = None if at_boundary else backend.inplace_version(tensor)
+        if at_boundary or (version is not None and key in self._settled):
+            task_fn = backend.host_stats_task(tensor)
+            if task_fn is None:  # an accelerator's no-sync path, or too small to be worth a hand-off
+                return backend.device_stats(tensor)
             task = offload.submit(task_fn)
             buffer.tasks.append(task)
+            buffer.cost.inline -= 1
             buffer.cost.offloaded += 1
             if not at_boundary:
                 buffer.checks.append((key, tensor, version, task))
             return task
-        buffer.cost.inline += 1
-        buffer.checks.append((key, tensor, version, None))
+        if version is not None and backend.is_host(tensor):  # first sight: learn whether it may be read late
+            buffer.checks.append((key, tensor, version, None))
         return backend.device_stats(tensor)
 
     def _copy(self, key: _Key, tensor: Any, dtype: str, nbytes: int) -> tuple[Any, HostTensor]:

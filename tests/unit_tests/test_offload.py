@@ -246,7 +246,9 @@ def test_a_forked_child_runs_its_own_workers():
         code = 1
         try:
             task = pool.submit(lambda: 42)
-            time.sleep(0.2)  # a worker of the child, not the caller's drain, should have run it
+            deadline = time.monotonic() + 30
+            while not task.finished and time.monotonic() < deadline:  # a worker of the child runs it
+                time.sleep(0.01)
             code = 0 if task.done and task.result == 42 else 3
         finally:
             os._exit(code)
