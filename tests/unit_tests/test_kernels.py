@@ -7,6 +7,7 @@ tested in test_device_stats.py, with and without the kernels.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -59,14 +60,21 @@ def test_kernels_can_be_switched_off(monkeypatch):
 
 def test_a_child_forked_while_the_kernels_load_keeps_numpy_and_does_not_hang(monkeypatch):
     # The parent's loading thread may hold numba's compiler lock at the fork; the child must not wait on it.
+    from twinstep import _kernels_numba
+
     monkeypatch.setenv(kernels.ENV_SWITCH, "1")
     loader = kernels._Loader()
     monkeypatch.setattr(kernels, "_LOADER", loader)
+    # Hold the load until after the fork: with numba's cache warm it can otherwise finish first.
+    gate, compile_all = threading.Event(), _kernels_numba.compile_all
+    monkeypatch.setattr(_kernels_numba, "compile_all", lambda **kw: (gate.wait(60), compile_all(**kw))[1])
     loader.start()
+    assert loader.state == "loading"
     pid = os.fork()
     if pid == 0:
         ok = not loader.wait(0) and kernels.state() == "failed" and kernels.one_pass_moments(np.ones(4, np.float32)) is None
         os._exit(0 if ok else 1)
+    gate.set()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert loader.wait(120)  # the parent's load carries on
