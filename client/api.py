@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import Any, Sequence
 
-from twinstep import environment
+from twinstep import environment, settings
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.capture.recorder import CaptureCost
@@ -32,19 +32,6 @@ logger = logging.getLogger("twinstep")
 
 ENV_SERVER = "TWINSTEP_SERVER"
 _DEFAULT_SHUTDOWN_TIMEOUT = 10.0
-_DEFAULT_LOCKSTEP_TIMEOUT = 300.0
-
-
-def _env_int(*names: str, default: int) -> int:
-    for name in names:
-        value = os.environ.get(name)
-        if value is None or value == "":
-            continue
-        try:
-            return int(value)
-        except ValueError:
-            logger.warning("twinstep: ignoring %s=%r (not an integer)", name, value)
-    return default
 
 
 class Monitor:
@@ -242,35 +229,43 @@ class Monitor:
 def attach(
     model: Any,
     *,
-    session: str,
-    run: str,
-    baseline: bool = False,
-    reference: bool = False,
+    session: str | None = None,
+    run: str | None = None,
+    baseline: bool | None = None,
+    reference: bool | None = None,
     server: str | None = None,
-    capture: str = "stats",
-    include: Sequence[str] = ("*",),
-    exclude: Sequence[str] = (),
-    every: int = 1,
+    capture: str | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    every: int | None = None,
     rank: int | None = None,
     world_size: int | None = None,
-    lockstep: int = 0,
-    lockstep_timeout: float = _DEFAULT_LOCKSTEP_TIMEOUT,
-    max_queue_steps: int = 256,
-    max_queue_bytes: int = 1 << 30,
-    backward: bool = True,
-    precision: str = "auto",
-    sketch: bool = False,
-    compression: str = "auto",
-    sender: str = "auto",
-    start_step: int = 0,
+    lockstep: int | None = None,
+    lockstep_timeout: float | None = None,
+    max_queue_steps: int | None = None,
+    max_queue_bytes: int | None = None,
+    backward: bool | None = None,
+    precision: str | None = None,
+    sketch: bool | None = None,
+    compression: str | None = None,
+    sender: str | None = None,
+    start_step: int | None = None,
     token: str | None = None,
     tls_ca: str | None = None,
     tls_client_cert: str | None = None,
     tls_client_key: str | None = None,
     insecure: bool | None = None,
-    stats_workers: int = 1,
+    stats_workers: int | None = None,
+    config: str | None = None,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
+
+    Every argument left out (None) comes from the environment variable
+    ``TWINSTEP_<NAME>`` (``TWINSTEP_SESSION``, ``TWINSTEP_CAPTURE``, ...), else
+    from the YAML config file (``config`` or ``$TWINSTEP_CONFIG``: its top-level
+    keys, overridden by its ``runs: {RUN: ...}`` section), else the default
+    given below (twinstep.settings).  A value that cannot be read is a
+    ValueError naming the variable or the file and key.
 
     Args:
         session: comparison session name; both trainings use the same one.
@@ -332,12 +327,58 @@ def attach(
             modified in place after its capture is detected and computed in its
             hook from then on; accelerator tensors keep their statistics on the
             device either way.
+        config: YAML file of settings (default ``$TWINSTEP_CONFIG``); see
+            docs/zero-code.md for its shape.
+
+    Defaults: baseline and reference False, capture "stats", include ("*",),
+    exclude (), every 1, lockstep 0, lockstep_timeout 300 s, max_queue_steps
+    256, max_queue_bytes 1 GiB, backward True, precision "auto", sketch False,
+    compression "auto", sender "auto", start_step 0, stats_workers 1.
     """
-    target = server or os.environ.get(ENV_SERVER, "")
+    given = {name: value for name, value in locals().items() if name not in ("model", "config")}
+    return _attach(model, **settings.resolve(given, config=config).values)
+
+
+def _attach(
+    model: Any,
+    *,
+    session: str | None,
+    run: str | None,
+    baseline: bool,
+    reference: bool,
+    server: str | None,
+    capture: str,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    every: int,
+    rank: int | None,
+    world_size: int | None,
+    lockstep: int,
+    lockstep_timeout: float,
+    max_queue_steps: int,
+    max_queue_bytes: int,
+    backward: bool,
+    precision: str,
+    sketch: bool,
+    compression: str,
+    sender: str,
+    start_step: int,
+    token: str | None,
+    tls_ca: str | None,
+    tls_client_cert: str | None,
+    tls_client_key: str | None,
+    insecure: bool | None,
+    stats_workers: int,
+) -> Monitor:
+    """``attach`` with every setting resolved (twinstep.settings): check them and start the monitor."""
+    target = server
     if not target:
-        raise ValueError(f"twinstep.attach needs server='host:port' or the {ENV_SERVER} environment variable")
+        raise ValueError(f"twinstep.attach needs server='host:port', the {ENV_SERVER} environment variable "
+                         f"or server: in the config file ({settings.ENV_CONFIG})")
     if not session or not run:
-        raise ValueError("twinstep.attach needs a non-empty session and run name")
+        raise ValueError("twinstep.attach needs a non-empty session and run name: session=/run= arguments, "
+                         "TWINSTEP_SESSION/TWINSTEP_RUN, or session:/run: in the config file "
+                         f"({settings.ENV_CONFIG})")
     if lockstep < 0:
         raise ValueError("lockstep must be >= 0")
     if start_step < 0:
@@ -350,8 +391,8 @@ def attach(
         raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
     security = ClientSecurity.resolve(token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
                                       tls_client_key=tls_client_key, insecure=insecure)
-    resolved_rank = rank if rank is not None else _env_int("RANK", "PADDLE_TRAINER_ID", default=0)
-    resolved_world = world_size if world_size is not None else _env_int("WORLD_SIZE", "PADDLE_TRAINERS_NUM", default=1)
+    resolved_rank = rank if rank is not None else 0  # the launcher's RANK/PADDLE_TRAINER_ID: twinstep.settings
+    resolved_world = world_size if world_size is not None else 1
     if not 0 <= resolved_rank < resolved_world:
         raise ValueError(f"rank {resolved_rank} is outside world size {resolved_world}")
     return Monitor(

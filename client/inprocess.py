@@ -70,9 +70,11 @@ def compare(
             (model_a, backend_a, inputs_a, loss_a, "a", True),
             (model_b, backend_b, inputs_b, loss_b, "b", False),
         ):
-            # The embedded server is plaintext and open on loopback: the user's TWINSTEP_TOKEN/TLS settings are not for it.
+            # The embedded server is plaintext and open on loopback: the user's TWINSTEP_TOKEN/TLS settings are not for it,
+            # nor their jobs' TWINSTEP_* pacing and numbering (lockstep would wait for a run that starts after this one).
             mon = attach(model, session=session, run=name, baseline=baseline, server=handle.address, capture=capture,
-                         backward=not isolate, token="", tls_ca="", tls_client_cert="", tls_client_key="")
+                         backward=not isolate, token="", tls_ca="", tls_client_cert="", tls_client_key="",
+                         lockstep=0, every=1, start_step=0, rank=0, world_size=1)
             output = model(*inputs)
             loss = loss_fn(output) if loss_fn else _default_loss(backend, output)
             if not isolate:

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from twinstep.server.alert.webhooks import WebhookDispatcher
 from twinstep.server.compare.comparator import StepComparison
 from twinstep.server.config import ServerConfig
 from twinstep.server.report.builder import build_report
@@ -33,6 +34,20 @@ class ServerHandle:
         self.registry = registry
         self.tls = tls
         """Connections are TLS (clients need to trust the certificate: TWINSTEP_TLS_CA)."""
+        self.webhooks: WebhookDispatcher | None = None
+        """The webhook senders (config.webhooks), once started; stopped within the grace by stop()."""
+        self.dashboard: Any = None
+        """The dashboard's HTTP listener (twinstep.server.view.listener), when serve() was given http_port."""
+
+    @property
+    def http_port(self) -> int | None:
+        """The dashboard's port (the one picked for http_port=0); None without a dashboard."""
+        return self.dashboard.port if self.dashboard is not None else None
+
+    @property
+    def http_url(self) -> str | None:
+        """Where a browser opens the dashboard, e.g. http://127.0.0.1:8080/; None without one."""
+        return self.dashboard.url if self.dashboard is not None else None
 
     @property
     def address(self) -> str:
@@ -71,12 +86,16 @@ class ServerHandle:
     def stop(self, grace: float = 2.0) -> None:
         """Refuse new RPCs now, let running ones end within ``grace`` seconds."""
         self._stopping.set()
+        if self.dashboard is not None:  # pages first: they only read, and they go within the grace
+            self.dashboard.stop(timeout=min(grace, 1.0))
         self.registry.freeze()  # nothing more is accepted than the journal holds
         for name in self.registry.names():
             session = self.registry.get(name)
             if session is not None:
                 session.events.close()
         self._server.stop(grace).wait(grace + 1.0)
+        if self.webhooks is not None:
+            self.webhooks.stop(timeout=grace)  # what is queued goes out within the grace, then gives up
         self.registry.close()
 
     def wait(self) -> None:
@@ -91,6 +110,8 @@ def serve(
     *,
     security: ServerSecurity | None = None,
     insecure: bool | None = None,
+    http_port: int | None = None,
+    http_host: str | None = None,
 ) -> ServerHandle:
     """Start a server in this process; ``port=0`` picks a free port (see ``.address``).
 
@@ -98,12 +119,18 @@ def serve(
     it the server is plaintext and open, which the loopback rule allows only on
     a loopback ``host`` unless ``insecure=True``.  ValueError when the rule or a
     file says no.
+
+    ``http_port`` also serves the live dashboard and /metrics over HTTP (HTTPS with
+    TLS) on ``http_host`` (default ``host``; 0 picks a free port: ``.http_url``),
+    under the same rule and tokens (docs/dashboard.md).
     """
     config = config or ServerConfig()
     security = security or ServerSecurity()
     if insecure is not None:
         security.insecure = insecure
     security.check_exposure(host)
+    if http_port is not None:
+        security.check_exposure(host if http_host is None else http_host)
     credentials = security.credentials()
     if halt_on_divergence is not None:
         config.halt_on_divergence = halt_on_divergence
@@ -129,7 +156,21 @@ def serve(
         bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    handle = ServerHandle(server, bound, host, registry, stopping, tls=credentials is not None)
+    if config.webhooks:  # before the first stream: every session's events reach them
+        handle.webhooks = WebhookDispatcher(config.webhooks, server=handle.address)
+        registry.add_session_listener(handle.webhooks.attach)
+        logger.info("webhooks: %s", ", ".join(f"{w.label} ({w.format})" for w in config.webhooks))
     server.start()
     logger.info("twinstep server listening on %s:%d (%s%s)", host, bound, "TLS" if credentials else "plaintext",
                 ", client certificates required" if security.tls_client_ca else "")
-    return ServerHandle(server, bound, host, registry, stopping, tls=credentials is not None)
+    if http_port is not None:
+        from twinstep.server.view.listener import start_dashboard  # starlette and uvicorn load only here
+
+        try:
+            handle.dashboard = start_dashboard(registry, security, host if http_host is None else http_host,
+                                               http_port, handle.webhooks)
+        except BaseException:
+            handle.stop(grace=0.5)
+            raise
+    return handle

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from twinstep.server.alert.webhook_config import WebhookConfig, webhooks_from_list
 from twinstep.server.compare.mapping import NameMapping, layer_mapping_from_dict
 from twinstep.server.compare.tolerance import ToleranceConfig
 
@@ -66,6 +67,16 @@ class ServerConfig:
     """After a restart, seconds a stream that was open may take to reconnect before its run is marked lost."""
     max_archived: int = 1000
     """Without a journal: reports of sessions that left memory kept for GetReport, oldest forgotten first."""
+    history_steps: int = 128
+    """Dashboard history per candidate (twinstep.server.view.history): the latest this many compared steps
+    keep a column each in the heatmap and curves; older steps merge into at most as many coarser columns,
+    each holding every module's worst record over its steps.  A heatmap cell takes 9 bytes, so a candidate
+    holds at most rows x 2 x history_steps x 9 bytes (1,500 rows at the default: 3.5 MB)."""
+    history_rows: int = 20000
+    """Heatmap rows (a module or parameter in one phase) kept per candidate; rows past it are counted and
+    shown as not kept.  With history_steps, the bound on the history's memory (20,000 rows: 46 MB)."""
+    webhooks: list[WebhookConfig] = field(default_factory=list)
+    """Receivers POSTed to on divergence, halt, lost run and capture failure (docs/alerts.md)."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -79,12 +90,12 @@ class ServerConfig:
         if self.session_ttl < 0 or self.resume_grace < 0 or self.reconnect_grace < 0:
             raise ValueError("session_ttl, resume_grace and reconnect_grace must not be negative")
         for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes", "max_archived",
-                     "max_inflight_steps"):
+                     "max_inflight_steps", "history_steps", "history_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived", "max_inflight_steps", "reconnect_grace"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived", "max_inflight_steps", "reconnect_grace", "history_steps", "history_rows", "webhooks"}
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -120,7 +131,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int), ("max_inflight_steps", int), ("reconnect_grace", float)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int), ("max_inflight_steps", int), ("reconnect_grace", float), ("history_steps", int), ("history_rows", int)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])
@@ -130,6 +141,8 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         kwargs["journal"] = str(base_dir / str(data["journal"]))
     if "journal_sync" in data:
         kwargs["journal_sync"] = str(data["journal_sync"])
+    if "webhooks" in data:
+        kwargs["webhooks"] = webhooks_from_list(data["webhooks"], f"{where}: webhooks")
     for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping"):
         if key in data:
             if not isinstance(data[key], bool):

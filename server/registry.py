@@ -8,6 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -43,6 +44,7 @@ class SessionRegistry:
         self.store = JournalStore(config.journal, config.journal_sync) if config.journal else None
         self._stopped = threading.Event()
         self._timers: list[threading.Timer] = []
+        self._session_listeners: list[Callable[[Session], None]] = []
         if self.store is not None:
             self._restore()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="twinstep-session-ttl", daemon=True)
@@ -71,6 +73,8 @@ class SessionRegistry:
                                      f"this server holds {len(self._sessions)} sessions (max_sessions); "
                                      f"session {name!r} is refused")
                 session = self._sessions[name] = self._new_session(name)
+                for listener in self._session_listeners:
+                    self._tell_listener(listener, session)
                 if name in self._archived or (self.store is not None and self.store.report(name) is not None):
                     logger.warning("session %s: a new session takes the name of an archived one; the archived "
                                    "report stays listed by `twinstep sessions`", name)
@@ -110,6 +114,23 @@ class SessionRegistry:
         rows += kept
         listing.sessions.extend(row for row in rows if only is None or row.name == only)
         return listing
+
+    def add_session_listener(self, listener: Callable[[Session], None]) -> None:
+        """Call ``listener`` with every session in memory now (restored ones too), then with each one created later.
+
+        It runs under the registry's lock (no session can be missed between the two): it must be quick
+        and not block, e.g. add a listener to the session's event bus.
+        """
+        with self._lock:
+            self._session_listeners.append(listener)
+            for session in self._sessions.values():
+                self._tell_listener(listener, session)
+
+    def _tell_listener(self, listener: Callable[[Session], None], session: Session) -> None:
+        try:
+            listener(session)
+        except Exception:  # a listener's fault must not refuse a session
+            logger.exception("session %s: a session listener failed", session.name)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -198,7 +219,11 @@ class SessionRegistry:
     def _restore(self) -> None:
         """Replay every session that was in memory when the last server on this journal stopped."""
         assert self.store is not None
-        for stored in self.store.live_sessions():
+        stored_sessions = list(self.store.live_sessions())
+        if stored_sessions:  # a long journal takes a while to replay: say so before, not only after
+            logger.warning("restoring %d session(s) from the journal; streams are accepted once it is done",
+                           len(stored_sessions))
+        for stored in stored_sessions:
             started = time.monotonic()
             session = Session(stored.name, self.config, self.session_ended)
             session.created = stored.created

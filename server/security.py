@@ -227,11 +227,22 @@ class Authorizer:
         if self.open:
             return Caller(operator=True)
         values = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization"]
-        if not values:
+        return self.bearer(str(values[0]) if values else None)
+
+    @property
+    def has_operator(self) -> bool:
+        """An operator token is configured (halting from the dashboard needs one)."""
+        return self._operator is not None
+
+    def bearer(self, authorization: str | None) -> Caller:
+        """The caller presenting ``authorization`` ("Bearer TOKEN": gRPC metadata, or an HTTP header)."""
+        if self.open:
+            return Caller(operator=True)
+        if not authorization:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "no token",
                          "this server needs a token: send 'authorization: Bearer TOKEN' "
                          "(twinstep: TWINSTEP_TOKEN, attach(token=...), --token)")
-        scheme, _, token = str(values[0]).strip().partition(" ")
+        scheme, _, token = authorization.strip().partition(" ")
         presented = token.strip().encode()
         if scheme.lower() != "bearer" or not presented:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "malformed token",

@@ -17,6 +17,7 @@ from twinstep.server.security import Authorizer, Caller, Denied
 from twinstep.server.journal.store import JournalClosed
 from twinstep.server.registry import SessionRegistry
 from twinstep.server.session import Session
+from twinstep.server.view.wire import to_proto as history_to_proto
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
@@ -133,7 +134,7 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
         events = session.events.subscribe()
         context.add_callback(lambda: events.put(None) if not events.full() else None)
         try:
-            yield pb.Event(session=session.name, progress=pb.Progress(runs=session.run_status(), steps_compared=session.steps_compared()))
+            yield pb.Event(session=session.name, progress=session.progress())
             while context.is_active() and not self._stopping.is_set():
                 try:
                     event = events.get(timeout=_POLL)
@@ -156,6 +157,19 @@ class TwinstepServicer(pb_grpc.TwinstepServicer):
             names = f" (sessions: {', '.join(self.registry.names()) or 'none'})" if caller.operator else ""
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server{names}")
         return build_report(session.snapshot())
+
+    def GetHistory(self, request: pb.HistoryRequest, context: grpc.ServicerContext) -> pb.History:
+        """The dashboard's history of a session (an archived session's is empty: only its report is kept)."""
+        caller = self.auth.authorize(context, "report", request.session)
+        session = self.registry.get(request.session)
+        if session is None:
+            if self.registry.archived_report(request.session) is not None:
+                return pb.History(session=request.session)
+            names = f" (sessions: {', '.join(self.registry.names()) or 'none'})" if caller.operator else ""
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server{names}")
+        with session.lock:
+            copied = session.history.copy()
+        return history_to_proto(copied)
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.SessionList:
         # The operator sees every session; a session token sees its own.
@@ -194,6 +208,10 @@ def add_servicer(servicer: Any, server: grpc.Server) -> None:
         "Halt": grpc.unary_unary_rpc_method_handler(
             servicer.Halt, request_deserializer=pb.HaltRequest.FromString,
             response_serializer=pb.HaltResponse.SerializeToString,
+        ),
+        "GetHistory": grpc.unary_unary_rpc_method_handler(
+            servicer.GetHistory, request_deserializer=pb.HistoryRequest.FromString,
+            response_serializer=pb.History.SerializeToString,
         ),
         "ListSessions": grpc.unary_unary_rpc_method_handler(
             servicer.ListSessions, request_deserializer=pb.ListSessionsRequest.FromString,

@@ -43,6 +43,7 @@ from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTr
 from twinstep.server.detect.gaps import Side, find_gaps
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
+from twinstep.server.detect.stage_errors import StageErrors
 from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.decode import decode_step
@@ -51,6 +52,7 @@ from twinstep.server.journal.store import NoJournal, SessionJournal
 from twinstep.server.report.snapshot import SessionSnapshot
 from twinstep.server.runs.credits import credit_updates
 from twinstep.server.runs.halt import HaltCoordinator, halt_command
+from twinstep.server.view.history import SessionHistory
 from twinstep.server.runs.membership import (ENDED, MAX_TEXT, MAX_WARNINGS, Membership, RankState, RunState,
                                               check_hello)
 from twinstep.v1 import twinstep_pb2 as pb
@@ -90,6 +92,10 @@ class Session:
         self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
         self.long_run = LongRunTracker(config.drift_window)
         self.headroom = HeadroomTracker()
+        self.history = SessionHistory(name, config.history_steps, config.history_rows, config.noise_multiple)
+        """The dashboard's bounded heatmap and curves (twinstep.server.view); read by copying under the lock."""
+        self.stage_errors = StageErrors()
+        """The latest compared step's worst error per phase, for live views (Progress.stages)."""
         self.errors: list[str] = []
         self.last_comparison: StepComparison | None = None
         self.unmatched_baseline: dict[RecordLabel, None] = {}
@@ -193,7 +199,8 @@ class Session:
             comeback = f"; it may reconnect within {grace:g} s" if grace > 0 else ""
             self._alert("warning", f"run {run.name!r} rank {conn.rank} is lost after step {state.last_step}: its stream "
                         f"ended without a goodbye, {state.silent_for:.1f} s after its last message (the process died "
-                        f"or the network failed){comeback}; the other runs go on")
+                        f"or the network failed){comeback}; the other runs go on", kind="lost_run", run=run.name,
+                        rank=conn.rank)
             if grace > 0:
                 if not self.replaying:
                     self._give_up_later(conn, grace)
@@ -281,7 +288,8 @@ class Session:
             news = [kind for kind in _failure_kinds(health) if kind not in before]
             self._journal(Kind.HEALTH, conn, health.SerializeToString())
         for kind in news[:MAX_WARNINGS]:
-            self._alert("warning", f"run {conn.run!r} rank {conn.rank}: capture is failing: {describe_failure(health, kind)}")
+            self._alert("warning", f"run {conn.run!r} rank {conn.rank}: capture is failing: {describe_failure(health, kind)}",
+                        kind="capture_failure", run=conn.run or "", rank=conn.rank)
         self._update_credits(conn.rank)  # steps said missing move this run along, as delivered ones do
         self._publish_progress(force=True)
 
@@ -369,6 +377,7 @@ class Session:
             ctx.mapping = self._mapping_for(candidate_run, cand_step.rank)
             comparison = compare_step(base_step, cand_step, ctx)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
+        self.history.add(candidate_run, cand_run.reference, comparison, base_step, cand_step)
         if cand_run.reference:
             self.noise.add(comparison)
             return
@@ -384,6 +393,7 @@ class Session:
     def _detect(self, comparison: StepComparison) -> None:
         self.tracker.add(comparison)
         self.headroom.add(comparison)
+        self.stage_errors.add(comparison)
         self.last_comparison = comparison
         for name in comparison.unmatched_baseline:
             if len(self.unmatched_baseline) < _MAX_LISTED:
@@ -495,10 +505,11 @@ class Session:
             self.errors.append(message)
         self._alert("error", message)
 
-    def _alert(self, level: str, message: str) -> None:
+    def _alert(self, level: str, message: str, kind: str = "", run: str = "", rank: int = 0) -> None:
         """Log a line and tell every watcher (kept for watchers who come later)."""
         logger.warning("session %s: %s", self.name, message)
-        self.events.publish(pb.Event(alert=pb.AlertNotice(level=level, message=message)), keep=True)
+        self.events.publish(pb.Event(alert=pb.AlertNotice(level=level, message=message, kind=kind, run=run, rank=rank)),
+                            keep=True)
 
     def _broadcast(self, message: pb.ServerMessage) -> None:
         with self.lock:
@@ -511,9 +522,13 @@ class Session:
         if not force and now - self._last_progress < _PROGRESS_INTERVAL:
             return
         self._last_progress = now
+        self.events.publish(pb.Event(progress=self.progress()))
+
+    def progress(self) -> pb.Progress:
+        """What watchers see of the runs now: their status, steps compared, the latest error per stage."""
         with self.lock:
-            progress = pb.Progress(runs=self.run_status(), steps_compared=self.steps_compared())
-        self.events.publish(pb.Event(progress=progress))
+            return pb.Progress(runs=self.run_status(), steps_compared=self.steps_compared(),
+                               stages=self.stage_errors.to_proto())
 
     # -- flow control and halt ----------------------------------------------------------------
 
@@ -588,18 +603,22 @@ class Session:
                 return "running", reasons
             return ("incomplete" if reasons else "aligned"), reasons
 
-    def snapshot(self) -> SessionSnapshot:
-        """Everything a report says, copied under the lock: report building never touches live state."""
+    def snapshot(self, long_run: bool = True) -> SessionSnapshot:
+        """Everything a report says, copied under the lock: report building never touches live state.
+
+        ``long_run=False`` leaves the long-run criteria out: their cost grows with the steps compared
+        (0.15 s at 20k steps), too much for the dashboard's frequent views.
+        """
         with self.lock:
             status, reasons = self.status_and_reasons()
             coverage = {run: self.coverage_of(run) for run in self.candidates}
             reference = next(iter(self.references), None)
-            long_run = []
-            for run in self.candidates:
+            summaries = []
+            for run in self.candidates if long_run else ():
                 summary = self.long_run.summary(run, reference, self.config.noise_multiple)
                 if summary is not None:
                     summary.coverage = coverage[run].summary
-                    long_run.append(summary)
+                    summaries.append(summary)
             return SessionSnapshot(
                 name=self.name,
                 status=status,
@@ -615,7 +634,7 @@ class Session:
                 proposed_mapping=next((self.mappings.proposals[run] for run in self.candidates
                                        if self.mappings.proposals.get(run)), None),
                 coverage=tuple(coverage.values()),
-                long_run=tuple(long_run),
+                long_run=tuple(summaries),
                 headroom=tuple(h for run in self.candidates for h in self.headroom.to_proto(run)),
             )
 

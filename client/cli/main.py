@@ -13,6 +13,12 @@ import time
 import grpc
 
 from twinstep._version import __version__
+from twinstep.cli import watch as watch_cli
+from twinstep.cli import run as run_cli
+from twinstep.cli import report_files
+from twinstep.cli import compare_dumps as compare_dumps_cli
+from twinstep.cli.watch import format_event  # noqa: F401  (its home was here: callers import it from main)
+from twinstep.cli.examples import add_examples
 from twinstep.server.report.render import render_text, report_schema, report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
@@ -54,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: $TWINSTEP_JOURNAL; none: sessions live in memory only)")
     durable.add_argument("--session-ttl", type=float, metavar="SECONDS",
                          help="seconds a finished session stays in memory before only its report is kept (default 3600)")
+    dashboard = serve.add_argument_group("dashboard (docs/dashboard.md)")
+    dashboard.add_argument("--http-port", type=int, metavar="PORT",
+                           help="also serve the live dashboard and /metrics over HTTP on PORT (0: a free port; "
+                                "HTTPS with the server's TLS certificate, the same tokens)")
+    dashboard.add_argument("--http-host", metavar="HOST",
+                           help="interface of the dashboard (default: --host; the loopback rule applies)")
+    alerts = serve.add_argument_group("alerts (docs/alerts.md)")
+    alerts.add_argument("--webhook", metavar="URL", action="append", default=[],
+                        help="POST divergences, halts, lost runs and capture failures to URL (repeatable; the config "
+                             "file's webhooks: list also sets events and headers)")
+    alerts.add_argument("--webhook-format", choices=("json", "slack"), default="json",
+                        help="body of the --webhook POSTs: twinstep's JSON payload, or a Slack incoming-webhook "
+                             "message (default %(default)s)")
     tls = serve.add_argument_group("security (README: Security)")
     tls.add_argument("--tls-cert", metavar="FILE", help="PEM certificate the server presents (default: $TWINSTEP_TLS_CERT)")
     tls.add_argument("--tls-key", metavar="FILE", help="its PEM private key (default: $TWINSTEP_TLS_KEY)")
@@ -70,10 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--insecure", action="store_true", default=None,
                      help="allow plaintext or no tokens on a non-loopback --host (default: $TWINSTEP_INSECURE)")
 
-    watch = sub.add_parser("watch", help="print live progress and alerts of a session")
-    watch.add_argument("session")
-    _server_arg(watch)
-    watch.add_argument("--follow", action="store_true", help="keep watching after every run has ended")
+    watch_cli.add_parser(sub)
+    compare_dumps_cli.add_parser(sub)
 
     report = sub.add_parser("report", help="print a session's report")
     report.add_argument("session", nargs="?")
@@ -81,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the report as JSON (see --schema)")
     report.add_argument("--schema", action="store_true",
                         help="print the JSON Schema of the --json form and exit (no server needed)")
+    report_files.add_arguments(report)
 
     mapping = sub.add_parser("mapping", help="show the module mapping the server worked out when names differ")
     mapping.add_argument("session")
@@ -102,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     bug.add_argument("--no-bug", action="store_true", help="a faithful port: stays aligned")
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--capture", choices=("stats", "tensors"), default="stats")
+    demo.add_argument("--http-port", type=int, metavar="PORT",
+                      help="show the live dashboard of the demo's server on PORT (0: a free port)")
+    run_cli.add_parser(sub)
+    add_examples(sub)
     return parser
 
 
@@ -109,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"serve": _serve, "watch": _watch, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions}[args.command](args)
+        return {"serve": _serve, "watch": watch_cli.run, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions, "run": run_cli.run,
+                "compare-dumps": compare_dumps_cli.run}[args.command](args)
     except grpc.RpcError as error:
         from twinstep.transport.security import explain
 
@@ -117,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twinstep {args.command}: {error.code().name}: {details}{explain(details)}", file=sys.stderr)
         return 2
     except ValueError as error:
+        print(f"twinstep {args.command}: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a port in use, a file that cannot be written: say which, no traceback
         print(f"twinstep {args.command}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -135,14 +161,21 @@ def _serve(args: argparse.Namespace) -> int:
         if args.session_ttl < 0:
             raise ValueError("--session-ttl must not be negative")
         config.session_ttl = args.session_ttl
+    if args.webhook:
+        from twinstep.server.alert.webhook_config import WebhookConfig
+
+        config.webhooks = [*config.webhooks, *(WebhookConfig(url=url, format=args.webhook_format)
+                                               for url in args.webhook)]
     security = _server_security(args)
     if not args.release_freed_memory:
         retain_freed_memory()  # this process is the server's own
     handle = serve(port=args.port, host=args.host, config=config, halt_on_divergence=args.halt_on_divergence or None,
-                   security=security)
+                   security=security, http_port=args.http_port, http_host=args.http_host)
     print(f"twinstep server listening on {args.host}:{handle.port}"
           f" ({'TLS' if handle.tls else 'plaintext'}{', tokens required' if security.operator_token or security.session_tokens else ''})",
           flush=True)
+    if handle.http_url:
+        print(f"dashboard: {handle.http_url}", flush=True)
     if config.journal:
         restored = handle.registry.names()
         print(f"journal: {handle.registry.store.directory if handle.registry.store else config.journal}"
@@ -202,61 +235,14 @@ class _Client:
         self.channel.close()
 
 
-def _watch(args: argparse.Namespace) -> int:
-    with _Client(args) as client:
-        for event in client.stub.Watch(pb.WatchRequest(session=args.session), metadata=client.metadata):
-            line = format_event(event)
-            if line:
-                print(line, flush=True)
-            if not args.follow and event.WhichOneof("body") == "progress" and _all_ended(event.progress):
-                return 0
-    return 0
-
-
-def _all_ended(progress: pb.Progress) -> bool:
-    return len(progress.runs) >= 2 and all(r.state in ("finished", "halted", "lost") for r in progress.runs)
-
-
-def format_event(event: pb.Event) -> str:
-    """One line for a watch event."""
-    kind = event.WhichOneof("body")
-    if kind == "progress":
-        runs = " | ".join(
-            f"{r.name}{'*' if r.baseline else ''} step {r.last_step} {r.state}"
-            + (f" dropped {r.dropped}" if r.dropped else "")
-            + (f" capture-failures {failures}" if (failures := _capture_failures(r)) else "")
-            for r in event.progress.runs
-        )
-        return f"[{event.session}] {runs} | compared {event.progress.steps_compared}"
-    if kind == "divergence":
-        d = event.divergence
-        return (
-            f"[{event.session}] DIVERGENCE run {d.candidate_run!r} step {d.step} rank {d.rank} {d.phase} "
-            f"{d.module or '(model)'!r}: {d.metric} {d.value:.3g} > {d.tolerance:.3g}"
-            + (f"\n[{event.session}]   stage: {d.stage}" if d.stage else "")
-            + (f"\n[{event.session}]   AFTER A GAP (earliest among compared steps; not compared: {d.gaps_summary})"
-               if d.after_gap else "")
-        )
-    if kind == "halt":
-        h = event.halt
-        at = f" at step {h.at_step}" if h.at_step >= 0 else ""
-        return f"[{event.session}] HALT run {h.run!r}{at}: {h.reason}"
-    if kind == "alert":
-        return f"[{event.session}] {event.alert.level.upper()}: {event.alert.message}"
-    return ""
-
-
-def _capture_failures(run: pb.RunStatus) -> int:
-    """Records and whole steps the run could not capture, over its ranks."""
-    return sum(sum(f.count for f in h.capture.failures) + h.capture.failed_steps for h in run.health)
-
-
 def _report(args: argparse.Namespace) -> int:
     if args.schema:
         print(json.dumps(report_schema(), indent=2))
         return 0
     if not args.session:
         raise ValueError("which session? twinstep report SESSION [--json]")
+    if report_files.wanted(args):
+        return report_files.run(args)
     with _Client(args) as client:
         report = client.stub.GetReport(pb.ReportRequest(session=args.session), timeout=_RPC_TIMEOUT,
                                        metadata=client.metadata)
@@ -323,7 +309,8 @@ def format_sessions(listing: pb.SessionList) -> str:
 def _demo(args: argparse.Namespace) -> int:
     from twinstep.demo.run import run_demo
 
-    return run_demo(bug=None if args.no_bug else args.bug, steps=args.steps, capture=args.capture)
+    return run_demo(bug=None if args.no_bug else args.bug, steps=args.steps, capture=args.capture,
+                    http_port=args.http_port)
 
 
 if __name__ == "__main__":

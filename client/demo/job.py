@@ -153,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.distributed rendezvous for multi-rank runs (env://, or file:///path shared by the ranks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
+    p.add_argument("--quiet", action="store_true",
+                   help="no twinstep warnings and a short halt line: `twinstep demo` shows the server's events itself")
     return p.parse_args(argv)
 
 
@@ -176,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         mon: Any = _NoMonitor()
         halted_type: Any = ()  # an empty tuple in `except` catches nothing
     else:
+        import logging
+
         import twinstep
 
+        if args.quiet:  # the demo prints every divergence and halt once, from the server's events
+            logging.getLogger("twinstep").setLevel(logging.ERROR)
         mon = twinstep.attach(
             trainer.inner, session=args.session, run=run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep, sender=args.sender,
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.step_delay)
     except halted_type as h:
         halted, halt_reason, halt_step = True, h.reason, h.step
-        print(f"{prefix} halted at step {h.step}: {h.reason}", flush=True)
+        print(f"{prefix} halted at step {h.step}" + ("" if args.quiet else f": {h.reason}"), flush=True)
     finally:
         mon.close()
         trainer.close()

@@ -7,6 +7,7 @@ by one step) so the halt visibly stops both.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -14,12 +15,43 @@ import tempfile
 import threading
 
 from twinstep.cli.main import format_event
+from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.server.report.render import render_text
 from twinstep.server import serve
 from twinstep.server.memory import retain_freed_memory
 
 _SESSION = "demo"
 _JOB_TIMEOUT = 600.0
+#: A line of progress every this many compared steps: the jobs print their own steps.
+_PROGRESS_EVERY = 5
+
+
+class DemoEvents:
+    """The server's events as the demo shows them: each halt once, progress now and then.
+
+    The server publishes one halt per run and a progress event per step; the demo's
+    reader wants to see what happened once, between the jobs' own step lines.
+    """
+
+    def __init__(self) -> None:
+        self._halts: set[str] = set()
+        self._compared = 0
+
+    def line(self, event: pb.Event) -> str:
+        kind = event.WhichOneof("body")
+        if kind == "progress":
+            compared = event.progress.steps_compared
+            if compared < self._compared + _PROGRESS_EVERY:
+                return ""
+            self._compared = compared
+            runs = ", ".join(f"{r.name} at step {r.last_step}" for r in event.progress.runs)
+            return f"[demo] {compared} steps compared ({runs})"
+        if kind == "halt":
+            if event.halt.reason in self._halts:
+                return ""
+            self._halts.add(event.halt.reason)
+            return f"[demo] HALT every run of the session: {event.halt.reason}"
+        return format_event(event)
 
 
 def job_command(framework: str, server: str, *, steps: int, bug: str | None, capture: str, baseline: bool, extra: list[str] | None = None) -> list[str]:
@@ -46,15 +78,22 @@ def _pipe(process: subprocess.Popen[str], lock: threading.Lock) -> None:
             print("  " + line.rstrip(), flush=True)
 
 
-def run_demo(bug: str | None, steps: int = 20, capture: str = "stats") -> int:
+def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port: int | None = None) -> int:
+    """``http_port``: also serve the dashboard there (0: a free port); on a terminal it stays up after the
+    runs end until Ctrl-C, so the diverged session can be looked at."""
     retain_freed_memory()  # the demo's process is the server's own; its jobs are separate processes
-    handle = serve(port=0, halt_on_divergence=True)
+    # The server's log repeats the events shown below; keep only its errors on the terminal.
+    logging.getLogger("twinstep.server").setLevel(logging.ERROR)
+    handle = serve(port=0, halt_on_divergence=True, http_port=http_port)
     print(f"twinstep demo: server on {handle.address}; torch baseline vs paddle port "
           f"({'porting bug: ' + bug if bug else 'faithful port'}), {steps} steps", flush=True)
+    if handle.http_url:
+        print(f"twinstep demo: dashboard at {handle.http_url}sessions/{_SESSION}", flush=True)
     session = handle.registry.get_or_create(_SESSION)
     events = session.events.subscribe()
     lock = threading.Lock()
     stop = threading.Event()
+    shown = DemoEvents()
 
     def show_events() -> None:
         while not stop.is_set():
@@ -64,7 +103,7 @@ def run_demo(bug: str | None, steps: int = 20, capture: str = "stats") -> int:
                 continue
             if event is None:
                 return
-            line = format_event(event)
+            line = shown.line(event)
             if line:
                 with lock:
                     print(line, flush=True)
@@ -77,7 +116,7 @@ def run_demo(bug: str | None, steps: int = 20, capture: str = "stats") -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for framework, job_bug, baseline in (("torch", None, True), ("paddle", bug, False)):
                 cmd = job_command(framework, handle.address, steps=steps, bug=job_bug, capture=capture,
-                                  baseline=baseline, extra=["--lockstep", "1", "--session", _SESSION])
+                                  baseline=baseline, extra=["--lockstep", "1", "--session", _SESSION, "--quiet"])
                 process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
                 processes.append(process)
                 threading.Thread(target=_pipe, args=(process, lock), daemon=True).start()
@@ -90,6 +129,12 @@ def run_demo(bug: str | None, steps: int = 20, capture: str = "stats") -> int:
         session.events.unsubscribe(events)
         watcher.join(1.0)
     report = handle.report_proto(_SESSION)
+    if handle.http_url and sys.stdin.isatty():
+        print("twinstep demo: the dashboard stays up; press Ctrl-C to stop", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
     handle.stop(grace=1.0)
     print()
     print(render_text(report), flush=True)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -28,6 +29,7 @@ class EventBus:
         self._watchers: set[queue.Queue[pb.Event | None]] = set()
         self._verdicts: deque[pb.Event] = deque(maxlen=MAX_KEPT_VERDICTS)
         self._alerts: deque[pb.Event] = deque(maxlen=MAX_KEPT_ALERTS)
+        self._listeners: list[Callable[[pb.Event], None]] = []
 
     @property
     def history(self) -> list[pb.Event]:
@@ -50,6 +52,15 @@ class EventBus:
         with self._lock:
             self._watchers.discard(q)
 
+    def add_listener(self, listener: Callable[[pb.Event], None]) -> None:
+        """Call ``listener`` with every event published from now on (no replay), on the publisher's thread.
+
+        For in-process consumers with a queue of their own (webhooks): ``listener`` must not block
+        (a put_nowait that drops and counts); its exceptions are swallowed, never the publisher's.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+
     def publish(self, event: pb.Event, keep: bool = False) -> None:
         event.time = time.time()
         event.session = self._session
@@ -57,6 +68,12 @@ class EventBus:
             if keep:
                 (self._alerts if event.WhichOneof("body") == "alert" else self._verdicts).append(event)
             watchers = list(self._watchers)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:  # a consumer's fault is its own: the session goes on
+                pass
         for q in watchers:  # outside the lock: never hold it across a send
             try:
                 q.put_nowait(event)

@@ -73,12 +73,16 @@ class LongRunTracker:
         out.loss_mean_rel = _mean(loss_rel)
         out.loss_mean_signed = _mean(rows[:, 1] - rows[:, 0])
         out.grad_norm_mean_rel = _mean(_abs_rel(rows[:, 2], rows[:, 3])[1])
-        verdicts = [
-            _verdict("first loss", out.first_loss_abs <= FIRST_LOSS_ABS or out.first_loss_rel <= FIRST_LOSS_REL,
-                     f"|Δ| {out.first_loss_abs:.3g}, {100 * out.first_loss_rel:.3g}% (limit 0.005 or 0.5%)"),
-            _verdict("mean loss error", out.loss_mean_abs <= MEAN_LOSS_ABS or out.loss_mean_rel <= MEAN_LOSS_REL,
-                     f"|Δ| {out.loss_mean_abs:.3g}, {100 * out.loss_mean_rel:.3g}% over {len(steps)} steps (limit 0.01 or 1%)"),
-        ]
+        if math.isnan(out.loss_mean_abs):  # no step with a loss from both runs (mon.step() without one, a dump)
+            verdicts = ["loss criteria not judged: no compared step has a loss from both runs"]
+        else:
+            verdicts = [
+                _verdict("first loss", out.first_loss_abs <= FIRST_LOSS_ABS or out.first_loss_rel <= FIRST_LOSS_REL,
+                         f"|Δ| {out.first_loss_abs:.3g}, {100 * out.first_loss_rel:.3g}% (limit 0.005 or 0.5%)"),
+                _verdict("mean loss error", out.loss_mean_abs <= MEAN_LOSS_ABS or out.loss_mean_rel <= MEAN_LOSS_REL,
+                         f"|Δ| {out.loss_mean_abs:.3g}, {100 * out.loss_mean_rel:.3g}% over {len(steps)} steps "
+                         "(limit 0.01 or 1%)"),
+            ]
         if math.isfinite(out.grad_norm_mean_rel):
             verdicts.append(_verdict("global grad norm", out.grad_norm_mean_rel <= GRAD_NORM_MEAN_REL,
                                      f"mean relative error {100 * out.grad_norm_mean_rel:.3g}% (limit 10%)"))

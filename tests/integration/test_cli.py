@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -72,6 +73,10 @@ def test_demo_finds_the_bug_and_halts_both_jobs():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "first divergence: step 0, rank 0, forward of 'layers.1.mlp.act'" in out.stdout
     assert "[torch] halted at step" in out.stdout and "[paddle] halted at step" in out.stdout
+    # Quiet: the halt is told once, and no log line interleaves with the demo's own lines.
+    live = out.stdout.split("\nsession 'demo':")[0]
+    assert live.count("HALT") == 1 and live.count("divergence at step 0") == 1, live
+    assert not re.search(r"\b(INFO|WARNING)\b", live + out.stderr), live + out.stderr
 
 
 def test_demo_without_bug_stays_aligned():

@@ -207,6 +207,21 @@ SPECS: dict[str, ModelSpec] = {
     ),
 }
 
+# Outside MODEL_NAMES (the bug corpus runs on those): the trainer-callback tests
+# (tests/ports/test_trainers.py) train Llama under transformers' and paddleformers'
+# Trainers. Both libraries name every parameter alike and fuse nothing, so only the
+# Linear weights transpose (lm_head keeps [vocab, hidden] on both sides).
+SPECS["llama"] = ModelSpec(
+    name="llama",
+    torch_class="LlamaForCausalLM",
+    torch_config_class="LlamaConfig",
+    torch_config=_common(hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}),
+    paddle_module="paddleformers.transformers.llama.modeling",
+    paddle_class="LlamaForCausalLM",
+    paddle_config_class="LlamaConfig",
+    paddle_config=_common(hidden_act="silu", rope_theta=ROPE_THETA, **_PADDLE_CPU),
+)
+
 
 def spec(name: str) -> ModelSpec:
     """The ModelSpec of a model name, with a clear error for an unknown one."""

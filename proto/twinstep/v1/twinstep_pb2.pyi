@@ -558,20 +558,50 @@ class Coverage(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps_compared: _Optional[int] = ..., compared: _Optional[_Iterable[_Union[StepRange, _Mapping]]] = ..., gaps: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., declared: _Optional[_Iterable[str]] = ..., summary: _Optional[str] = ..., gaps_unlisted: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("runs", "steps_compared")
+    __slots__ = ("runs", "steps_compared", "stages")
     RUNS_FIELD_NUMBER: _ClassVar[int]
     STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
     steps_compared: int
-    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageError]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageError, _Mapping]]] = ...) -> None: ...
+
+class StageError(_message.Message):
+    __slots__ = ("run", "step", "phase", "ratio", "module", "metric", "value", "tolerance", "rank")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    step: int
+    phase: str
+    ratio: float
+    module: str
+    metric: str
+    value: float
+    tolerance: float
+    rank: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., ratio: _Optional[float] = ..., module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class AlertNotice(_message.Message):
-    __slots__ = ("level", "message")
+    __slots__ = ("level", "message", "kind", "run", "rank")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     level: str
     message: str
-    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    kind: str
+    run: str
+    rank: int
+    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ..., run: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class HaltNotice(_message.Message):
     __slots__ = ("reason", "run", "at_step")
@@ -772,3 +802,83 @@ class SessionList(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
     journal: str
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., journal: _Optional[str] = ...) -> None: ...
+
+class HistoryRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class HistoryRow(_message.Message):
+    __slots__ = ("phase", "module", "type")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    module: str
+    type: str
+    def __init__(self, phase: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
+
+class ModuleErrors(_message.Message):
+    __slots__ = ("candidate_run", "rows", "first_step", "last_step", "value", "tolerance", "metric", "divergent", "rows_not_kept")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_NOT_KEPT_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    rows: _containers.RepeatedCompositeFieldContainer[HistoryRow]
+    first_step: _containers.RepeatedScalarFieldContainer[int]
+    last_step: _containers.RepeatedScalarFieldContainer[int]
+    value: _containers.RepeatedScalarFieldContainer[float]
+    tolerance: _containers.RepeatedScalarFieldContainer[float]
+    metric: bytes
+    divergent: bytes
+    rows_not_kept: int
+    def __init__(self, candidate_run: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ..., first_step: _Optional[_Iterable[int]] = ..., last_step: _Optional[_Iterable[int]] = ..., value: _Optional[_Iterable[float]] = ..., tolerance: _Optional[_Iterable[float]] = ..., metric: _Optional[bytes] = ..., divergent: _Optional[bytes] = ..., rows_not_kept: _Optional[int] = ...) -> None: ...
+
+class Curve(_message.Message):
+    __slots__ = ("run", "reference", "first_step", "last_step", "baseline_loss", "loss", "baseline_grad_norm", "grad_norm", "loss_diff_max", "grad_norm_diff_max")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LOSS_DIFF_MAX_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_DIFF_MAX_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    reference: bool
+    first_step: _containers.RepeatedScalarFieldContainer[int]
+    last_step: _containers.RepeatedScalarFieldContainer[int]
+    baseline_loss: _containers.RepeatedScalarFieldContainer[float]
+    loss: _containers.RepeatedScalarFieldContainer[float]
+    baseline_grad_norm: _containers.RepeatedScalarFieldContainer[float]
+    grad_norm: _containers.RepeatedScalarFieldContainer[float]
+    loss_diff_max: _containers.RepeatedScalarFieldContainer[float]
+    grad_norm_diff_max: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, run: _Optional[str] = ..., reference: _Optional[bool] = ..., first_step: _Optional[_Iterable[int]] = ..., last_step: _Optional[_Iterable[int]] = ..., baseline_loss: _Optional[_Iterable[float]] = ..., loss: _Optional[_Iterable[float]] = ..., baseline_grad_norm: _Optional[_Iterable[float]] = ..., grad_norm: _Optional[_Iterable[float]] = ..., loss_diff_max: _Optional[_Iterable[float]] = ..., grad_norm_diff_max: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class History(_message.Message):
+    __slots__ = ("session", "metrics", "candidates", "curves", "steps", "noise_multiple", "revision")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    CURVES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    metrics: _containers.RepeatedScalarFieldContainer[str]
+    candidates: _containers.RepeatedCompositeFieldContainer[ModuleErrors]
+    curves: _containers.RepeatedCompositeFieldContainer[Curve]
+    steps: int
+    noise_multiple: float
+    revision: int
+    def __init__(self, session: _Optional[str] = ..., metrics: _Optional[_Iterable[str]] = ..., candidates: _Optional[_Iterable[_Union[ModuleErrors, _Mapping]]] = ..., curves: _Optional[_Iterable[_Union[Curve, _Mapping]]] = ..., steps: _Optional[int] = ..., noise_multiple: _Optional[float] = ..., revision: _Optional[int] = ...) -> None: ...

@@ -62,6 +62,11 @@ class TwinstepStub:
                 request_serializer=twinstep_dot_v1_dot_twinstep__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.SessionList.FromString,
                 _registered_method=True)
+        self.GetHistory = channel.unary_unary(
+                '/twinstep.v1.Twinstep/GetHistory',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.History.FromString,
+                _registered_method=True)
 
 
 class TwinstepServicer:
@@ -102,6 +107,15 @@ class TwinstepServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHistory(self, request, context):
+        """The dashboard's history of a session: per candidate, each module's worst
+        error over tolerance per step, and the loss and gradient-norm curves
+        (twinstep report --html/--csv).  Authorized as GetReport.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TwinstepServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_TwinstepServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.ListSessionsRequest.FromString,
                     response_serializer=twinstep_dot_v1_dot_twinstep__pb2.SessionList.SerializeToString,
+            ),
+            'GetHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHistory,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.HistoryRequest.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.History.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +288,33 @@ class Twinstep:
             '/twinstep.v1.Twinstep/ListSessions',
             twinstep_dot_v1_dot_twinstep__pb2.ListSessionsRequest.SerializeToString,
             twinstep_dot_v1_dot_twinstep__pb2.SessionList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinstep.v1.Twinstep/GetHistory',
+            twinstep_dot_v1_dot_twinstep__pb2.HistoryRequest.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.History.FromString,
             options,
             channel_credentials,
             insecure,

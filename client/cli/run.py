@@ -1,0 +1,141 @@
+"""``twinstep run``: attach to a training script without editing it.
+
+The command is replaced by the training command (``exec``), with the settings
+in ``TWINSTEP_*`` environment variables, twinstep's bootstrap first on
+``PYTHONPATH`` and ``TWINSTEP_AUTO_ATTACH=1``.  Replacing the process rather
+than starting a child is what opentelemetry-instrument and ddtrace-run do:
+the exit code, signals (Ctrl-C, a scheduler's SIGTERM) and the process's
+place under torchrun or a batch system are the training's own, with nothing
+in between to forward or to outlive it.  See docs/zero-code.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from twinstep import settings
+
+EXAMPLES = """\
+examples:
+  twinstep run --session port --run torch --baseline --server 127.0.0.1:50051 -- python train.py --lr 1e-3
+  twinstep run --session port --run paddle --server 127.0.0.1:50051 -- python train_paddle.py
+  twinstep run --config twinstep.yaml --run paddle -- python -m paddle.distributed.launch --nproc_per_node 8 train.py
+  twinstep run --session port --run torch --baseline -- torchrun --nproc_per_node 8 train.py
+  twinstep run --config twinstep.yaml --run torch --show-config    # where each setting comes from
+
+Every option can also come from its environment variable (TWINSTEP_SESSION, TWINSTEP_RUN,
+TWINSTEP_SERVER, TWINSTEP_CAPTURE, ...) or from the config file (--config, TWINSTEP_CONFIG):
+options > environment > file > defaults.  The model is the first module, called with autograd
+on, whose parameters an optimizer updates; a step ends when that optimizer's step() returns.
+"""
+
+
+#: Settings that differ between the processes of one job: the launcher (torchrun, paddle's) sets them.
+PER_PROCESS = ("rank", "world_size")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``twinstep run``; every attach setting becomes an option (twinstep.settings.SETTINGS)."""
+    parser = subparsers.add_parser(
+        "run", help="run a training command with twinstep attached, without editing it",
+        description="Run a training command (python, torchrun, python -m paddle.distributed.launch) with "
+                    "twinstep attached to its model and optimizer, without editing the script.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (default: $TWINSTEP_CONFIG)")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print every setting, its value and where it comes from, and exit")
+    for setting in settings.SETTINGS:
+        if setting.name in PER_PROCESS:
+            continue
+        flag = _flag(setting)
+        help_text = f"{setting.help} (default: ${setting.env}"
+        help_text += f", else {_shown(setting.default)})" if setting.default is not None else ")"
+        if setting.is_flag:
+            parser.add_argument(flag, dest=setting.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        elif setting.is_patterns:
+            parser.add_argument(flag, dest=setting.name, action="append", metavar="PATTERN",
+                                help=help_text + "; repeatable, or comma-separated")
+        else:
+            metavar = "{" + ",".join(setting.choices) + "}" if setting.choices else setting.name.upper()
+            parser.add_argument(flag, dest=setting.name, metavar=metavar, help=help_text)
+    parser.add_argument("training", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS ...]",
+                        help="the training command, after --")
+    return parser
+
+
+def _flag(setting: settings.Setting) -> str:
+    return "--" + setting.name.replace("_", "-")
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return str(value)
+
+
+def child_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The training's environment: the options as TWINSTEP_* variables, the bootstrap first on PYTHONPATH."""
+    from twinstep.autoattach import BOOTSTRAP_DIR, ENV_ACTIVE
+
+    env = dict(os.environ if base is None else base)
+    for setting in settings.SETTINGS:
+        value = getattr(args, setting.name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        elif isinstance(value, list):
+            value = ",".join(value)
+        setting.read(value, _flag(setting))  # a bad option is named as the user wrote it
+        env[setting.env] = str(value)
+    if args.config:
+        env[settings.ENV_CONFIG] = os.path.abspath(args.config)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
+    env[ENV_ACTIVE] = "1"
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.training)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    env = child_environment(args)
+    resolved = settings.resolve(environ=env)  # a bad setting stops here, before the training starts
+    for setting in settings.SETTINGS:
+        if getattr(args, setting.name, None) is not None:
+            resolved.sources[setting.name] = _flag(setting)
+    if args.show_config:
+        print(f"config file: {resolved.config_file or 'none'}")
+        print(resolved.describe())
+        return 0
+    missing = [name for name in ("session", "run", "server") if not resolved.values[name]]
+    if missing:
+        raise ValueError(f"no {', no '.join(missing)} given: pass --{' --'.join(missing)}, set "
+                         f"{', '.join(settings.BY_NAME[m].env for m in missing)}, or put them in the config file")
+    if not command:
+        raise ValueError("no training command: twinstep run [OPTIONS] -- python train.py [ARGS]")
+    values = resolved.values
+    print(f"twinstep run: run {values['run']!r}{' (baseline)' if values['baseline'] else ''} of session "
+          f"{values['session']!r} at {values['server']}, capture {values['capture']}: {shlex.join(command)}",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    try:
+        if os.name != "posix":  # no exec there: run it and pass its exit code on
+            import subprocess
+
+            return subprocess.call(command, env=env)
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        print(f"twinstep run: {command[0]!r} was not found (is it on PATH?)", file=sys.stderr)
+        return 127
+    except PermissionError as error:
+        print(f"twinstep run: cannot execute {command[0]!r}: {error.strerror}", file=sys.stderr)
+        return 126
+    return 0  # not reached: exec does not return
