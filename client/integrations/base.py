@@ -216,3 +216,24 @@ class TrainerAttachment:
             return
         self._warned.add(kind)
         logger.log(level, "twinstep (%s callback): %s", self.trainer, message)
+
+
+class AttachmentViews:
+    """What a trainer callback shows of its attachment; shared by every trainer's callback class."""
+
+    attachment: TrainerAttachment
+
+    @property
+    def monitor(self) -> Any:
+        """The twinstep Monitor while training runs (None before, after, or when attaching failed)."""
+        return self.attachment.monitor
+
+    @property
+    def halted(self) -> Any:
+        """The ``twinstep.Halted`` that stopped the training, or None."""
+        return self.attachment.halted
+
+    @property
+    def last_loss(self) -> Any:
+        """The loss recorded for the latest optimizer step (a tensor on the training's device), or None."""
+        return self.attachment.last_loss

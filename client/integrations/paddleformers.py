@@ -27,12 +27,12 @@ from typing import Any
 
 from paddleformers.trainer import TrainerCallback
 
-from twinstep.integrations.base import TrainerAttachment
+from twinstep.integrations.base import AttachmentViews, TrainerAttachment
 
 __all__ = ["TwinstepCallback"]
 
 
-class TwinstepCallback(TrainerCallback):
+class TwinstepCallback(AttachmentViews, TrainerCallback):
     """Attach twinstep for the length of ``Trainer.train()``; takes ``twinstep.attach``'s options.
 
     ``close_timeout``: seconds ``on_train_end`` waits to flush what is queued.
@@ -46,21 +46,6 @@ class TwinstepCallback(TrainerCallback):
         self._stepped = False
         self._halt_pending = False
         self._accumulation = 1
-
-    @property
-    def monitor(self) -> Any:
-        """The twinstep Monitor while training runs (None before, after, or when attaching failed)."""
-        return self.attachment.monitor
-
-    @property
-    def halted(self) -> Any:
-        """The ``twinstep.Halted`` that stopped the training, or None."""
-        return self.attachment.halted
-
-    @property
-    def last_loss(self) -> Any:
-        """The loss recorded for the latest optimizer step (a tensor on the training's device), or None."""
-        return self.attachment.last_loss
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
         self._accumulation = max(int(getattr(args, "gradient_accumulation_steps", 1) or 1), 1)

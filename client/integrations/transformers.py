@@ -26,12 +26,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from twinstep.integrations.base import TrainerAttachment
+from twinstep.integrations.base import AttachmentViews, TrainerAttachment
 
 __all__ = ["TwinstepCallback"]
 
 
-class TwinstepCallback(TrainerCallback):
+class TwinstepCallback(AttachmentViews, TrainerCallback):
     """Attach twinstep for the length of ``Trainer.train()``; takes ``twinstep.attach``'s options.
 
     ``close_timeout``: seconds ``on_train_end`` waits to flush what is queued.
@@ -41,21 +41,6 @@ class TwinstepCallback(TrainerCallback):
 
     def __init__(self, *, close_timeout: float = 10.0, **attach_options: Any) -> None:
         self.attachment = TrainerAttachment("transformers", attach_options, close_timeout)
-
-    @property
-    def monitor(self) -> Any:
-        """The twinstep Monitor while training runs (None before, after, or when attaching failed)."""
-        return self.attachment.monitor
-
-    @property
-    def halted(self) -> Any:
-        """The ``twinstep.Halted`` that stopped the training, or None."""
-        return self.attachment.halted
-
-    @property
-    def last_loss(self) -> Any:
-        """The loss recorded for the latest optimizer step (a tensor on the training's device), or None."""
-        return self.attachment.last_loss
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
         self.attachment.begin(model, int(getattr(state, "global_step", 0) or 0), self._install_loss_hook)
