@@ -22,7 +22,7 @@ from twinstep._version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time they load lazily
     from twinstep.api import Monitor, attach
-    from twinstep.errors import Halted
+    from twinstep.errors import BatchSyncError, Halted, WeightSyncError
     from twinstep.inprocess import CompareResult, compare
 
 #: Public name -> the module that defines it.
@@ -30,11 +30,13 @@ _LAZY = {
     "attach": "twinstep.api",
     "Monitor": "twinstep.api",
     "Halted": "twinstep.errors",
+    "BatchSyncError": "twinstep.errors",
+    "WeightSyncError": "twinstep.errors",
     "compare": "twinstep.inprocess",
     "CompareResult": "twinstep.inprocess",
 }
 
-__all__ = ["CompareResult", "Halted", "Monitor", "PROTOCOL_VERSION", "__version__", "attach", "compare"]
+__all__ = ["BatchSyncError", "CompareResult", "Halted", "Monitor", "PROTOCOL_VERSION", "__version__", "attach", "compare", "WeightSyncError"]
 
 
 def __getattr__(name: str) -> Any:

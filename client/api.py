@@ -13,20 +13,27 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
+from pathlib import Path
 from typing import Any, Sequence
 
 from twinstep import environment, settings
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.capture import CaptureConfig, Recorder, backend_for
 from twinstep.capture.recorder import CaptureCost
+from twinstep.capture.control import CaptureControl, module_lookup
 from twinstep.capture.health import describe_error
-from twinstep.errors import Halted
+from twinstep.capture.named import MAX_NAME, NamedRecords
+from twinstep.batches import BatchSync, Interrupted, PublishStats
+from twinstep.batches.autosync import mover
+from twinstep.errors import BatchSyncError, Halted
 from twinstep.transport import ClientStats, Sender, StreamClient, StreamConfig
 from twinstep.transport.security import ClientSecurity
 from twinstep.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
 from twinstep.transport.sidecar import SidecarClient
 from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.weights import WeightPublisher, load_from_baseline
 
 logger = logging.getLogger("twinstep")
 
@@ -55,6 +62,13 @@ class Monitor:
         stream: StreamConfig,
         sender: str = "thread",
         start_step: int = 0,
+        bundle_dir: str = "twinstep-bundles",
+        share_weights: bool = False,
+        init_from_baseline: bool = False,
+        init_timeout: float = 300.0,
+        publish_batches: bool = False,
+        sync_batches: bool = False,
+        batch_timeout: float = 300.0,
     ) -> None:
         self.session = session
         self.run = run
@@ -67,8 +81,31 @@ class Monitor:
         self._closed = False
         self._halt_lock = threading.Lock()
         self._halt: tuple[int, str] | None = None  # (at_step, reason)
+        self._control = CaptureControl(run, rank, lambda: self._step)
+        """Zoom windows the server sent (live capture control, twinstep.capture.control)."""
+        self._bundle_about = {"session": session, "run": run, "baseline": baseline, "reference": reference,
+                              "rank": rank, "world_size": world_size}
+        self._bundle_dir = bundle_dir
+        self._bundles_armed: list = []  # twinstep.reproduce.capture.BundleCapture of the step in progress
+        self._bundles_done: list = []
         self._backend = backend_for(model)
+        self._find_module = module_lookup(self._backend, model)
         framework_version = self._backend.framework_version()
+        # Weight sync (docs/weight-sync.md), before any hook and before the Hello, which says what was loaded.
+        self.weight_sync: pb.WeightSync | None = None
+        """What init_from_baseline loaded from the baseline's initial parameters (None: not asked for)."""
+        if init_from_baseline:  # raises WeightSyncError, the model untouched, when they cannot all be loaded
+            self.weight_sync = load_from_baseline(model, self._backend, session=session, run=run, target=server,
+                                                  security=stream.security, timeout=init_timeout,
+                                                  compress=stream.compression == "zstd")
+        self._weights: WeightPublisher | None = None
+        if share_weights and baseline and rank == 0:  # every rank of a data-parallel run holds the same values
+            try:
+                self._weights = WeightPublisher(model, self._backend, session=session, run=run, target=server,
+                                                security=stream.security, compress=stream.compression == "zstd")
+            except Exception as error:  # the training comes first; the server tells waiting candidates
+                logger.warning("twinstep: cannot copy the initial weights to share them (%s); training continues "
+                               "without sharing them", describe_error(error))
         hello = pb.Hello(
             protocol_version=PROTOCOL_VERSION,
             session=session,
@@ -91,7 +128,10 @@ class Monitor:
             start_step=start_step,
             environment=environment.describe_environment(self._backend.framework, framework_version),
             warnings=environment.attach_warnings(self._backend.framework, framework_version),
+            share_weights=self._weights is not None,
         )
+        if self.weight_sync is not None:
+            hello.weight_sync.CopyFrom(self.weight_sync)
         if sender == "auto":
             # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
             sender = ("process" if capture.capture != "stats" and SHARED_MEMORY_AVAILABLE
@@ -109,6 +149,12 @@ class Monitor:
         self._client.add_manifest([], self._recorder.parameter_infos)
         self._client.start()
         self._recorder.set_active(self._captures(start_step), start_step)
+        self._baseline = baseline
+        self._named = NamedRecords()
+        self._batches = BatchSync(target=server, security=stream.security, session=session, run=run, rank=rank,
+                                  baseline=baseline, framework=self._backend.framework, timeout=batch_timeout)
+        if publish_batches or sync_batches:
+            self._batches.hook_model(model, lambda: self._step, self._fetch_batch)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
@@ -144,17 +190,22 @@ class Monitor:
         try:
             if self._captures(step):
                 self._client.add_manifest(self._recorder.take_new_modules(), [])
-                self._client.submit(self._recorder.finish_step(step, loss))
+                self._client.submit(self._named.merge_into(self._recorder.finish_step(step, loss), self._backend))
             else:
                 self._recorder.discard_step()
+                self._named.discard()
         except Exception as error:
             health.record_step_failure(step, error)  # warned once per kind; the server is told below
             self._client.mark_missing(step, "capture_failed", describe_error(error))
             self._recorder.discard_step()
+            self._named.discard()
         changes = health.take_changes()
         if changes is not None:
             self._client.send_health(changes)
         self._step = step + 1
+        self._batches.new_step()
+        self._finish_bundles()
+        self._begin_step(step + 1)
         self._recorder.set_active(self._captures(step + 1), step + 1)
         self._raise_if_halted(step)
         if self._lockstep:
@@ -168,12 +219,85 @@ class Monitor:
                 self._lockstep = 0
             self._raise_if_halted(step)
 
+    def record(self, name: str, value: Any) -> None:
+        """Record a named value of the step in progress: compared with the baseline's value of that name.
+
+        For what no hook sees: a batch's input ids and labels, a tokenizer's
+        output, the learning rate, a gradient norm, a metric.  ``value`` is a
+        number, a numpy array, a torch or paddle tensor, or a (nested) list of
+        numbers; its dtype is kept (integers and booleans compare exactly,
+        value by value).  Call it anywhere in the step, before ``step()``:
+        where it is called places it in the step (before the model's first
+        call, after the forward, after the backward), so the report's first
+        divergence is the value that starts one.  A name recorded twice in a
+        step gives two records (call 0 and 1).  Never raises for a value it
+        cannot carry: that is counted (the report's capture health) and warned
+        once.  Steps that are not captured (``every``) record nothing.
+        """
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            raise ValueError(f"a record's name is text of 1 to {MAX_NAME} characters, got {name!r}")
+        if self._closed or not self._captures(self._step):
+            return
+        try:
+            self._named.add(name, value, self._recorder.last_phase())
+        except Exception as error:
+            self._recorder.health.record_failure(pb.RECORD, name, self._step, error)
+
+    def publish_batch(self, batch: Any) -> None:
+        """Baseline: publish this step's inputs for candidates that sync batches (``baseline_batch()``).
+
+        ``batch``: a tensor or array, or a dict, list or tuple of them (and of plain
+        numbers and text), nested.  It is copied here and sent in the background;
+        call it once per step, before ``step()``.  Never raises for a batch it
+        cannot send: that is counted (``batch_stats``) and warned once.
+        """
+        if not self._baseline:
+            raise ValueError("publish_batch is the baseline's (attach(baseline=True)); a candidate takes the "
+                             "baseline's batch with baseline_batch()")
+        if self._closed:
+            return
+        try:
+            self._batches.publish(self._step, batch)
+        except Exception as error:
+            stats = self._batches.publish_stats
+            logger.warning("twinstep: cannot publish the batch of step %d (%s); training continues, candidates "
+                           "syncing batches will not get it", self._step, describe_error(error))
+            if stats is not None:
+                stats.dropped["unsupported"] = stats.dropped.get("unsupported", 0) + 1
+
+    def baseline_batch(self, timeout: float | None = None, device: Any = None) -> Any:
+        """Candidate: the batch the baseline published for this step and rank, as this framework's tensors.
+
+        Same structure, dtypes and shapes as the baseline's (int64 stays int64); tensors on the
+        CPU, or moved to ``device`` ("cuda:0", "gpu:0", a torch device or paddle place).
+        Waits for the baseline to publish it, at most ``timeout`` seconds (default: attach's
+        ``batch_timeout``), then raises :class:`twinstep.BatchSyncError` saying why; raises
+        :class:`twinstep.Halted` if the server halts the run meanwhile.
+        """
+        if self._baseline:
+            raise ValueError("baseline_batch is a candidate's: the baseline publishes its batches (publish_batch)")
+        if self._closed:
+            raise BatchSyncError("twinstep: the monitor is closed; no batch can be fetched")
+        return self._fetch_batch(mover(self._backend.framework, device), timeout)
+
+    @property
+    def batch_stats(self) -> dict[str, Any]:
+        """Batch sync counters: published and dropped (baseline), fetched and seconds waited (candidate)."""
+        stats: PublishStats | None = self._batches.publish_stats
+        return {"published": stats.published if stats else 0, "dropped": dict(stats.dropped) if stats else {},
+                "fetched": self._batches.fetched, "waited_seconds": self._batches.waited_seconds}
+
     def close(self, timeout: float = _DEFAULT_SHUTDOWN_TIMEOUT) -> None:
         """Flush what is queued (at most ``timeout`` seconds), detach the hooks, say goodbye."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if self._weights is not None:  # the upload of the initial weights, if it is still going
+            self._weights.close(timeout)
+        self._batches.close(timeout)
+        self._finish_bundles()
+        self._wait_for_bundles(timeout / 2)  # a bundle asked with a halt is written before the process ends
         self._recorder.remove()
         changes = self._recorder.health.take_changes()
         if changes is not None:  # failures after the last step() (a trailing forward, say)
@@ -197,10 +321,66 @@ class Monitor:
     # -- internals ---------------------------------------------------------------
 
     def _captures(self, step: int) -> bool:
-        return step % self._capture.every == 0
+        return step % self._capture.every == 0 or self._control.captures(step)
+
+    @property
+    def bundles(self) -> list[str]:
+        """Reproducer bundles this monitor wrote (paths), when the server asked for them."""
+        return [str(b.path) for b in self._bundles_done if b.path is not None]
+
+    def _begin_step(self, step: int) -> None:
+        """Apply the zoom windows that reach the step starting now, and arm the bundles due in it."""
+        try:
+            self._recorder.set_zoom(self._control.plan(step))
+            for spec in self._control.bundles_due(step):
+                from twinstep.reproduce.capture import BundleCapture  # only a run asked for a bundle loads it
+
+                capture = BundleCapture(self._backend.framework, self._find_module(spec.bundle_module), spec, step,
+                                        self._bundle_about, Path(self._bundle_dir))
+                capture.arm()
+                self._bundles_armed.append(capture)
+        except Exception as error:  # live capture control must never break the training
+            logger.warning("twinstep: could not apply the server's capture change at step %d: %s", step,
+                           describe_error(error))
+
+    def _finish_bundles(self) -> None:
+        """The step ended: the armed bundles are written, off the training thread."""
+        armed, self._bundles_armed = self._bundles_armed, []
+        for capture in armed:
+            try:
+                capture.finish()
+                self._bundles_done.append(capture)
+            except Exception as error:
+                logger.warning("twinstep: could not write a reproducer bundle: %s", describe_error(error))
+
+    def _wait_for_bundles(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for capture in self._bundles_done:
+            if capture.writer is not None:
+                capture.writer.join(max(deadline - time.monotonic(), 0.0))
+
+    def _fetch_batch(self, to_device: Any = None, timeout: float | None = None) -> Any:
+        """The baseline's batch of the current step; a halt for this step during the wait raises Halted."""
+        step = self._step
+
+        def halting() -> bool:
+            halt = self._halt
+            return halt is not None and (halt[0] < 0 or halt[0] <= step)
+
+        try:
+            return self._batches.fetch(step, timeout, halting, to_device)
+        except Interrupted:
+            self._raise_if_halted(step)
+            raise  # unreachable: interrupted only by a halt at or before this step
 
     def _on_command(self, command: pb.Command) -> None:
-        """Runs on the sender thread: remember a HALT for the training thread."""
+        """Runs on the sender thread: remember a HALT for the training thread, hand a ZOOM to live capture control."""
+        if command.kind == pb.Command.ZOOM:
+            try:
+                self._control.add(command.zoom)
+            except Exception as error:  # the stream and the training go on without it
+                logger.warning("twinstep: ignoring a capture change from the server: %s", describe_error(error))
+            return
         if command.kind != pb.Command.HALT:
             return
         with self._halt_lock:
@@ -256,6 +436,13 @@ def attach(
     tls_client_key: str | None = None,
     insecure: bool | None = None,
     stats_workers: int | None = None,
+    share_weights: bool | None = None,
+    init_from_baseline: bool | None = None,
+    init_timeout: float | None = None,
+    publish_batches: bool | None = None,
+    sync_batches: bool | None = None,
+    batch_timeout: float | None = None,
+    bundle_dir: str | None = None,
     config: str | None = None,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
@@ -327,13 +514,35 @@ def attach(
             modified in place after its capture is detected and computed in its
             hook from then on; accelerator tensors keep their statistics on the
             device either way.
+        publish_batches: baseline: publish the inputs of the model's first call
+            in every step, for candidates that sync batches (docs/records-and-batches.md).
+        sync_batches: candidate: call the model, on its first call of every step,
+            with the inputs the baseline published for that step and rank (waiting
+            for them up to ``batch_timeout``; a BatchSyncError past it).
+        batch_timeout: longest wait, in seconds, for the baseline's batch of a step.
+        share_weights: baseline: copy the initial parameters at attach and upload
+            them to the server (in the background; rank 0 only) for candidates that
+            attach with ``init_from_baseline`` (docs/weight-sync.md).  Costs one host
+            copy of the model until the upload is done.
+        init_from_baseline: candidate (or reference): before the first step, load
+            the baseline's initial parameters, converted by the server to this run's
+            names, layouts and fused modules; all or nothing.  Raises
+            :class:`twinstep.WeightSyncError` (the model untouched) when they
+            cannot be loaded.
+        init_timeout: longest wait, in seconds, for the baseline's weights.
+        bundle_dir: the folder reproducer bundles are written to when the server asks
+            for them (a halt with bundle_on_halt, twinstep zoom --bundle); see
+            docs/zoom-and-reproduce.md.
         config: YAML file of settings (default ``$TWINSTEP_CONFIG``); see
             docs/zero-code.md for its shape.
 
     Defaults: baseline and reference False, capture "stats", include ("*",),
     exclude (), every 1, lockstep 0, lockstep_timeout 300 s, max_queue_steps
     256, max_queue_bytes 1 GiB, backward True, precision "auto", sketch False,
-    compression "auto", sender "auto", start_step 0, stats_workers 1.
+    compression "auto", sender "auto", start_step 0, stats_workers 1, share_weights
+    and init_from_baseline False, init_timeout 300 s, publish_batches
+    and sync_batches False, batch_timeout 300 s, bundle_dir
+    "twinstep-bundles".
     """
     given = {name: value for name, value in locals().items() if name not in ("model", "config")}
     return _attach(model, **settings.resolve(given, config=config).values)
@@ -369,6 +578,13 @@ def _attach(
     tls_client_key: str | None,
     insecure: bool | None,
     stats_workers: int,
+    share_weights: bool = False,
+    init_from_baseline: bool = False,
+    init_timeout: float = 300.0,
+    publish_batches: bool = False,
+    sync_batches: bool = False,
+    batch_timeout: float = 300.0,
+    bundle_dir: str = "twinstep-bundles",
 ) -> Monitor:
     """``attach`` with every setting resolved (twinstep.settings): check them and start the monitor."""
     target = server
@@ -387,6 +603,16 @@ def _attach(
         raise ValueError(f"precision must be 'auto', 'fp32' or 'tf32', got {precision!r}")
     if sender not in ("auto", "thread", "process"):
         raise ValueError(f"sender must be 'auto', 'thread' or 'process', got {sender!r}")
+    if publish_batches and not baseline:
+        raise ValueError("publish_batches is the baseline's (baseline=True); a candidate syncs with sync_batches=True")
+    if sync_batches and baseline:
+        raise ValueError("sync_batches is a candidate's: the baseline publishes its batches (publish_batches=True)")
+    if share_weights and not baseline:
+        raise ValueError("share_weights is the baseline's (baseline=True); a candidate loads the baseline's "
+                         "weights with init_from_baseline=True")
+    if init_from_baseline and baseline:
+        raise ValueError("init_from_baseline is for candidates and references: the baseline shares its weights "
+                         "(share_weights=True)")
     if sender == "process" and not SHARED_MEMORY_AVAILABLE:
         raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
     security = ClientSecurity.resolve(token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
@@ -415,4 +641,11 @@ def _attach(
                             compression=compression, **security.as_dict()),
         sender=sender,
         start_step=start_step,
+        share_weights=share_weights,
+        init_from_baseline=init_from_baseline,
+        init_timeout=init_timeout,
+        publish_batches=publish_batches,
+        sync_batches=sync_batches,
+        batch_timeout=batch_timeout,
+        bundle_dir=bundle_dir,
     )

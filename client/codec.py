@@ -410,6 +410,27 @@ def decode(
     return array.reshape(shape)
 
 
+def decode_storage(codec: int, data: bytes | memoryview, raw_nbytes: int, dtype: str, numel: int) -> np.ndarray:
+    """A lossless payload as its flat storage array, bit for bit (bfloat16 stays its uint16 pattern).
+
+    For values that are loaded rather than compared (weight sync): ``decode``
+    widens bfloat16, which would change a model's dtype.  Read-only when RAW.
+    """
+    store = storage_dtype(dtype)
+    expected = numel * store.itemsize
+    if raw_nbytes != expected:
+        raise PayloadError(f"payload announces {raw_nbytes} bytes, {numel} elements of {dtype} need {expected}")
+    if codec == pb.RAW:
+        raw = data
+    elif codec == pb.ZSTD:
+        raw = _decompress(data, expected)
+    else:
+        raise PayloadError(f"codec {codec} is not lossless (RAW or ZSTD)")
+    if len(raw) != expected:
+        raise PayloadError(f"payload holds {len(raw)} bytes, expected {expected}")
+    return np.frombuffer(raw, dtype=store)
+
+
 def _decode_quantized(
     data: bytes, dtype: str, shape: tuple[int, ...], numel: int, quant_step: float, error_bound: float
 ) -> np.ndarray:

@@ -175,6 +175,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tls_client_key", _text, None, "its PEM key", path=True),
     Setting("insecure", _flag, None, "plaintext to a server that is not on loopback"),
     Setting("stats_workers", _integer(0), 1, "threads computing statistics off the training thread (0: in the hooks)"),
+    Setting("share_weights", _flag, False, "baseline: share the initial parameters with candidates (weight sync)"),
+    Setting("init_from_baseline", _flag, False, "candidate: load the baseline's initial parameters before the first step"),
+    Setting("init_timeout", _positive_number, 300.0, "longest wait for the baseline's weights, in seconds"),
+    Setting("publish_batches", _flag, False, "baseline: publish the model's first-call inputs of every step"),
+    Setting("sync_batches", _flag, False, "candidate: feed the model the baseline's published inputs"),
+    Setting("batch_timeout", _positive_number, 300.0, "longest wait for the baseline's batch of a step, in seconds"),
+    Setting("bundle_dir", _text, "twinstep-bundles", "where reproducer bundles are written when the server asks",
+            path=True),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 #: Keys of a config file: every setting, plus ``runs`` (a section per run name).

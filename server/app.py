@@ -38,6 +38,8 @@ class ServerHandle:
         """The webhook senders (config.webhooks), once started; stopped within the grace by stop()."""
         self.dashboard: Any = None
         """The dashboard's HTTP listener (twinstep.server.view.listener), when serve() was given http_port."""
+        self.recording: Any = None
+        """Recording and replay (twinstep.server.record.service), when config.record or config.replay asks."""
 
     @property
     def http_port(self) -> int | None:
@@ -88,6 +90,8 @@ class ServerHandle:
         self._stopping.set()
         if self.dashboard is not None:  # pages first: they only read, and they go within the grace
             self.dashboard.stop(timeout=min(grace, 1.0))
+        if self.recording is not None:
+            self.recording.stop_players(timeout=min(grace, 1.0))
         self.registry.freeze()  # nothing more is accepted than the journal holds
         for name in self.registry.names():
             session = self.registry.get(name)
@@ -96,6 +100,8 @@ class ServerHandle:
         self._server.stop(grace).wait(grace + 1.0)
         if self.webhooks is not None:
             self.webhooks.stop(timeout=grace)  # what is queued goes out within the grace, then gives up
+        if self.recording is not None:
+            self.recording.stop(grace)  # recordings end with every input the sessions took
         self.registry.close()
 
     def wait(self) -> None:
@@ -161,6 +167,14 @@ def serve(
         handle.webhooks = WebhookDispatcher(config.webhooks, server=handle.address)
         registry.add_session_listener(handle.webhooks.attach)
         logger.info("webhooks: %s", ", ".join(f"{w.label} ({w.format})" for w in config.webhooks))
+    if config.record or config.replay:  # before the first stream: every session is recorded
+        from twinstep.server.record.service import start as start_recording
+
+        try:
+            handle.recording = start_recording(registry, config)
+        except BaseException:
+            handle.stop(grace=0.5)
+            raise
     server.start()
     logger.info("twinstep server listening on %s:%d (%s%s)", host, bound, "TLS" if credentials else "plaintext",
                 ", client certificates required" if security.tls_client_ca else "")

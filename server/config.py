@@ -60,6 +60,16 @@ class ServerConfig:
     """Directory of the journal that lets sessions survive a restart (None: sessions live in memory only)."""
     journal_sync: str = "normal"
     """"normal": a commit survives the server process dying; "full": also a power loss (an fsync per commit)."""
+    record: str | None = None
+    """Directory where every session's inputs are recorded, one compressed file per session, so that a later
+    candidate can be compared against a recorded baseline (docs/recording.md); None: nothing is recorded."""
+    record_budget: int = 10 << 30
+    """Bytes the recordings in ``record`` may take: past it the oldest finished recordings are deleted, then
+    recordings still being written take no more steps (each told in the log, counted, noted in the file)."""
+    replay: dict[str, str] = field(default_factory=dict)
+    """Sessions whose baseline is a recording: session name -> ``PATH[:RUN]`` (a recording file, or a directory
+    holding recordings of that session: the newest; RUN: which recorded run, default its baseline).  The
+    recording is played at the pace of the live candidates that join the session (docs/recording.md)."""
     session_ttl: float = 3600.0
     """Seconds a session stays in memory after its last run ended; then only its report is kept (in the
     journal, or in memory without one) and ``twinstep sessions`` still lists it."""
@@ -77,6 +87,27 @@ class ServerConfig:
     shown as not kept.  With history_steps, the bound on the history's memory (20,000 rows: 46 MB)."""
     webhooks: list[WebhookConfig] = field(default_factory=list)
     """Receivers POSTed to on divergence, halt, lost run and capture failure (docs/alerts.md)."""
+    weights_budget_bytes: int = 4 << 30
+    """Weight sync (docs/weight-sync.md): bytes of baselines' initial parameters held for candidates that
+    attach with init_from_baseline, over every session.  Past it the oldest publication is dropped; a
+    baseline whose parameters alone exceed it is refused with a clear error (raise it for large models)."""
+    auto_zoom: bool = False
+    """After a divergence the session does not halt on, zoom in by itself (docs/zoom-and-reproduce.md): the next
+    ``auto_zoom_steps`` steps bring full tensors of the divergent module and its neighbours (parent, siblings,
+    children) from every run, the same steps on every rank; the rest stays as attached."""
+    auto_zoom_steps: int = 3
+    """Steps an auto_zoom lasts."""
+    bundle_on_halt: bool = False
+    """With halt_on_divergence: before halting, every run writes a reproducer bundle of the divergent module
+    (its inputs, parameters and output) at one step every rank can still reach, and halts at the end of that
+    step (a few steps later than a plain halt).  ``twinstep reproduce`` runs it (docs/zoom-and-reproduce.md)."""
+    batch_buffer_bytes: int = 512 << 20
+    """Batch sync (docs/records-and-batches.md): bytes of published batches one session holds for its
+    candidates.  Past it, batches a candidate already took go first, then the oldest; a candidate asking
+    for a dropped step is told so at once.  A baseline far ahead of its candidates needs more (or lockstep)."""
+    batch_max_bytes: int = 48 << 20
+    """Largest batch (tensor bytes, before compression) one PublishBatch may carry; larger ones are refused
+    with a clear error and counted.  Under the server's 64 MiB limit on one message it sends."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -89,13 +120,18 @@ class ServerConfig:
             raise ValueError(f"journal_sync must be 'normal' or 'full', not {self.journal_sync!r}")
         if self.session_ttl < 0 or self.resume_grace < 0 or self.reconnect_grace < 0:
             raise ValueError("session_ttl, resume_grace and reconnect_grace must not be negative")
-        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes", "max_archived",
-                     "max_inflight_steps", "history_steps", "history_rows"):
+        if self.record_budget < 1:
+            raise ValueError("record_budget must be at least 1")
+        for name in ("max_sessions", "max_runs_per_session", "memory_budget_bytes", "max_archived", "weights_budget_bytes",
+                     "max_inflight_steps", "history_steps", "history_rows", "batch_buffer_bytes", "batch_max_bytes",
+                     "auto_zoom_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
 
-_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived", "max_inflight_steps", "reconnect_grace", "history_steps", "history_rows", "webhooks"}
+_KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived", "max_inflight_steps", "reconnect_grace", "history_steps", "history_rows", "webhooks", "weights_budget_bytes", "batch_buffer_bytes", "batch_max_bytes", "auto_zoom", "auto_zoom_steps", "bundle_on_halt"}
+
+_KEYS |= {"record", "record_budget", "replay"}  # record and replay (docs/recording.md)
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -131,7 +167,7 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         "tolerances": ToleranceConfig.from_dict(data.get("tolerances"), f"{where}: tolerances"),
         "mapping": mapping,
     }
-    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int), ("max_inflight_steps", int), ("reconnect_grace", float), ("history_steps", int), ("history_rows", int)):
+    for key, kind in (("window_steps", int), ("window_bytes", int), ("halt_prepare_timeout", float), ("max_workers", int), ("max_message_bytes", int), ("noise_multiple", float), ("noise_floor", float), ("drift_window", int), ("max_sessions", int), ("max_runs_per_session", int), ("memory_budget_bytes", int), ("session_ttl", float), ("resume_grace", float), ("max_archived", int), ("max_inflight_steps", int), ("reconnect_grace", float), ("history_steps", int), ("history_rows", int), ("weights_budget_bytes", int), ("batch_buffer_bytes", int), ("batch_max_bytes", int), ("auto_zoom_steps", int)):
         if key in data:
             try:
                 kwargs[key] = kind(data[key])
@@ -141,9 +177,10 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         kwargs["journal"] = str(base_dir / str(data["journal"]))
     if "journal_sync" in data:
         kwargs["journal_sync"] = str(data["journal_sync"])
+    kwargs.update(_record_options(data, base_dir, where))
     if "webhooks" in data:
         kwargs["webhooks"] = webhooks_from_list(data["webhooks"], f"{where}: webhooks")
-    for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping"):
+    for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping", "auto_zoom", "bundle_on_halt"):
         if key in data:
             if not isinstance(data[key], bool):
                 raise ValueError(f"{where}: {key} must be true or false")
@@ -152,3 +189,21 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
         return ServerConfig(**kwargs)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _record_options(data: dict, base_dir: pathlib.Path, where: str) -> dict[str, Any]:
+    """record, record_budget and replay from a config file (paths relative to the file)."""
+    out: dict[str, Any] = {}
+    if data.get("record") is not None:
+        out["record"] = str(base_dir / str(data["record"]))
+    if "record_budget" in data:
+        try:
+            out["record_budget"] = int(data["record_budget"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: record_budget must be a number of bytes, got {data['record_budget']!r}") from None
+    replay = data.get("replay")
+    if replay is not None:
+        if not isinstance(replay, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in replay.items()):
+            raise ValueError(f"{where}: replay must map session names to recordings (SESSION: PATH[:RUN])")
+        out["replay"] = {session: str(base_dir / source) for session, source in replay.items()}
+    return out

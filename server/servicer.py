@@ -9,7 +9,9 @@ from typing import Any, Iterator
 
 import grpc
 
+from twinstep.server.batches.service import BatchSyncService
 from twinstep.server.connection import Connection, StreamEnd, StreamFailure
+from twinstep.server.control.service import ZoomService
 from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.wire import ReceivedPiece, Unreadable, parse_client_message
 from twinstep.server.report.builder import build_report
@@ -18,6 +20,7 @@ from twinstep.server.journal.store import JournalClosed
 from twinstep.server.registry import SessionRegistry
 from twinstep.server.session import Session
 from twinstep.server.view.wire import to_proto as history_to_proto
+from twinstep.server.weights.service import WeightExchange, WeightSyncService
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
@@ -25,11 +28,12 @@ logger = logging.getLogger("twinstep.server")
 _POLL = 0.5
 
 
-class TwinstepServicer(pb_grpc.TwinstepServicer):
+class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc.TwinstepServicer):
     def __init__(self, registry: SessionRegistry, stopping: threading.Event, auth: Authorizer | None = None) -> None:
         self.registry = registry
         self._stopping = stopping
         self.auth = auth or Authorizer()  # no tokens: open
+        self.weights = WeightExchange(registry, self.auth)  # weight sync's publications (server.weights)
 
     # -- training processes -------------------------------------------------------
 
@@ -217,7 +221,27 @@ def add_servicer(servicer: Any, server: grpc.Server) -> None:
             servicer.ListSessions, request_deserializer=pb.ListSessionsRequest.FromString,
             response_serializer=pb.SessionList.SerializeToString,
         ),
+        "PublishBatch": grpc.unary_unary_rpc_method_handler(
+            servicer.PublishBatch, request_deserializer=pb.PublishedBatch.FromString,
+            response_serializer=pb.PublishBatchReply.SerializeToString,
+        ),
+        "GetBatch": grpc.unary_unary_rpc_method_handler(
+            servicer.GetBatch, request_deserializer=pb.BatchRequest.FromString,
+            response_serializer=pb.BatchReply.SerializeToString,
+        ),
     }
+    handlers["Zoom"] = grpc.unary_unary_rpc_method_handler(
+        servicer.Zoom, request_deserializer=pb.ZoomRequest.FromString,
+        response_serializer=pb.ZoomResponse.SerializeToString,
+    )
+    handlers["PublishWeights"] = grpc.stream_unary_rpc_method_handler(
+        servicer.PublishWeights, request_deserializer=pb.WeightsUpload.FromString,
+        response_serializer=pb.WeightsPublished.SerializeToString,
+    )
+    handlers["FetchWeights"] = grpc.unary_stream_rpc_method_handler(
+        servicer.FetchWeights, request_deserializer=pb.WeightsRequest.FromString,
+        response_serializer=pb.WeightsDownload.SerializeToString,
+    )
     missing = set(_SERVICE.methods_by_name) - set(handlers)
     if missing:  # a method added to the .proto must be registered here too
         raise RuntimeError(f"twinstep.server.servicer does not register {sorted(missing)}")

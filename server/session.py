@@ -29,11 +29,13 @@ from twinstep._version import PROTOCOL_VERSION
 from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.align.window import RankAligner
 from twinstep.server.alert.events import EventBus
+from twinstep.server.batches.buffer import BatchBuffer
 from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
 from twinstep.server.compare.join import RecordLabel
 from twinstep.server.compare.lossy import lossy_bounds
 from twinstep.server.compare.mapping_resolver import MappingResolver
 from twinstep.server.compare.plan import PlanCache
+from twinstep.server.control import TensorStepLedger, ZoomCoordinator
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
 from twinstep.server.detect.coverage import coverage_problems, describe_coverage, describe_failure
@@ -43,6 +45,7 @@ from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTr
 from twinstep.server.detect.gaps import Side, find_gaps
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.detect.headroom import HeadroomTracker
+from twinstep.server.detect.records import NamedRecordTracker
 from twinstep.server.detect.stage_errors import StageErrors
 from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.errors import InputError, invalid
@@ -96,6 +99,14 @@ class Session:
         """The dashboard's bounded heatmap and curves (twinstep.server.view); read by copying under the lock."""
         self.stage_errors = StageErrors()
         """The latest compared step's worst error per phase, for live views (Progress.stages)."""
+        self.named_records = NamedRecordTracker()
+        """Per candidate and name: the values the runs named (Monitor.record), for the report's own section."""
+        self.batches = BatchBuffer(config.batch_buffer_bytes)
+        """Batches the baseline published for candidates (batch sync; its own lock, not journaled)."""
+        self.zooms = ZoomCoordinator(name, config.halt_prepare_timeout)
+        """Live capture control: zoom windows, auto_zoom, reproducer bundles on halt (twinstep.server.control)."""
+        self.tensor_steps = TensorStepLedger()
+        """Which compared steps carried full tensors, per candidate rank (what a zoom really brought)."""
         self.errors: list[str] = []
         self.last_comparison: StepComparison | None = None
         self.unmatched_baseline: dict[RecordLabel, None] = {}
@@ -159,6 +170,7 @@ class Session:
                     welcome.lossy[phase].CopyFrom(bound)
             # Queued under the lock: no credit (another stream's step may compute one) can overtake it.
             conn.send(pb.ServerMessage(welcome=welcome))
+            self.zooms.on_join(conn, hello.run)  # zoom windows of its run that are not over yet
             halted, reason = self.halting.halted, self.halting.reason
         logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework,
                     hello.framework_version)
@@ -370,12 +382,15 @@ class Session:
         )
         comparison = compare_step(base_step, cand_step, ctx)
         self.coverage.compared(candidate_run, cand_step.rank, cand_step.step)
+        self.tensor_steps.observe(comparison, base_step, cand_step)
         if self.mappings.wants_proposal(candidate_run, bool(comparison.unmatched_candidate)):
             self.mappings.propose(self.name, candidate_run, base_step, cand_step,
                                   _forward_names(comparison.unmatched_baseline),
                                   _forward_names(comparison.unmatched_candidate))
             ctx.mapping = self._mapping_for(candidate_run, cand_step.rank)
             comparison = compare_step(base_step, cand_step, ctx)
+        if not cand_run.reference:
+            self.named_records.add(comparison, base_step, cand_step)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
         self.history.add(candidate_run, cand_run.reference, comparison, base_step, cand_step)
         if cand_run.reference:
@@ -480,11 +495,16 @@ class Session:
                 self._alert("warning", f"run {comparison.candidate_run!r}: first divergence at step "
                             f"{comparison.step} comes after steps that were not compared: {gaps}")
             if not self.config.halt_on_divergence:
+                if self.config.auto_zoom and not self.replaying:
+                    self.zooms.after_divergence(self, found, self.config.auto_zoom_steps)
                 continue
             if found.after_gap and not self.config.halt_after_gap:
                 self._alert("warning", f"not halting on the {where}{gap}: halt_after_gap is off, so the "
                             f"decision is yours (twinstep halt {self.name})")
                 continue
+            if self.config.bundle_on_halt and not self.replaying and self.zooms.halt_with_bundle(self, found,
+                                                                                                  where + gap):
+                continue  # it halts once every run is told where to write its bundle
             self.halt(where + gap)
 
     def _ended_verdict(self) -> tuple[str, str] | None:
@@ -539,8 +559,12 @@ class Session:
         for conn, max_step, acked in updates:
             conn.set_credit(max_step, acked)
 
-    def halt(self, reason: str) -> list[str]:
-        """Halt every connected process of every run; ranks of one run stop at one step."""
+    def halt(self, reason: str, at_step: int | None = None) -> list[str]:
+        """Halt every connected process of every run; ranks of one run stop at one step.
+
+        ``at_step``: every rank of every run stops at the end of that step (one every rank can
+        still reach: a halt with reproducer bundles, twinstep.server.control).
+        """
         with self.lock:
             if not self.halting.start(reason):
                 return []
@@ -549,10 +573,11 @@ class Session:
                 return []  # its streams are gone; each is told HALT when it rejoins
             plan = [(run.name, run.world_size, [s.connection for s in run.ranks.values() if s.connection is not None])
                     for run in self.runs.values()]
-        return self.halting.halt_runs(plan)
+        return self.halting.halt_runs(plan, at_step)
 
     def halt_ack(self, conn: Connection, ack: pb.HaltAck) -> None:
-        self.halting.ack(conn, ack)
+        if not self.zooms.ack(conn, ack):  # else it answers a halt's question
+            self.halting.ack(conn, ack)
 
     def _announce_halt(self, notice: pb.HaltNotice) -> None:
         self.events.publish(pb.Event(halt=notice), keep=True)
@@ -636,6 +661,10 @@ class Session:
                 coverage=tuple(coverage.values()),
                 long_run=tuple(summaries),
                 headroom=tuple(h for run in self.candidates for h in self.headroom.to_proto(run)),
+                records=tuple(r for run in self.candidates for r in self.named_records.to_proto(run)),
+                batch_sync=_batch_sync(self.batches),
+                zooms=tuple(self.zooms.to_proto()),
+                tensor_steps=tuple(self.tensor_steps.to_proto()),
             )
 
     # -- journal ---------------------------------------------------------------------------------
@@ -680,16 +709,17 @@ class Session:
     # -- helpers --------------------------------------------------------------------------------
 
     def held_bytes(self) -> int:
-        """Bytes of steps held for alignment, over every rank."""
+        """Bytes of steps held for alignment, over every rank, and of batches held for candidates (batch sync)."""
         with self.lock:
-            return sum(aligner.held_bytes() for aligner in self.aligners.values())
+            held = sum(aligner.held_bytes() for aligner in self.aligners.values())
+        return held + self.batches.snapshot().held_bytes  # published batches count toward the server's budget
 
     def release_held_steps(self) -> int:
         """Free the held steps once every run has ended (none can find a counterpart); returns bytes freed."""
         with self.lock:
             if not self.members.all_ended():
                 return 0
-            return sum(aligner.release_all() for aligner in self.aligners.values())
+            return sum(aligner.release_all() for aligner in self.aligners.values()) + self.batches.release_all()
 
     def _aligner(self, rank: int) -> RankAligner:
         aligner = self.aligners.get(rank)
@@ -706,3 +736,9 @@ class Session:
 def _forward_names(labels: list[RecordLabel]) -> set[str]:
     """Module names of the forward records among ``labels`` ("" is the model's root)."""
     return {label.name for label in labels if label.phase == "forward"}
+
+
+def _batch_sync(batches: BatchBuffer) -> pb.BatchSync | None:
+    """The report's batch-sync line (None while nothing was published or refused)."""
+    counts = batches.snapshot()
+    return counts.to_proto() if counts.published or counts.refused else None

@@ -181,6 +181,8 @@ class StepBatch:
     """Phases in which some record of this step could not be captured (they are absent)."""
     cost: CaptureCost = field(default_factory=CaptureCost)
     """What capturing this step read (twinstep.capture.recorder.CaptureCost)."""
+    record_names: list[str] = field(default_factory=list)
+    """Names of the step's named records (phase RECORD; twinstep.capture.named): their targets index it."""
 
     def dims_of(self, record: int) -> tuple[int, ...]:
         """The shape of one record (dims are stored flat, ndim[i] at a time)."""
@@ -253,6 +255,8 @@ class Recorder:
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
         self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
+        self._host_pool_bytes = host_pool_bytes
+        self._zoom: Any = None  # twinstep.capture.control.StepZoom of the step being recorded (None: as attached)
         self._pool = (
             HostBufferPool(
                 (lambda n: backend.wrap_host(host_memory.allocate(n))) if host_memory else backend.allocate_host,
@@ -366,11 +370,14 @@ class Recorder:
         backend = self.backend
         source = _recorded(seen, tensor, backend) if seen else None
         host: HostTensor | None = None
+        full = self._full_tensor(phase, target)
+        if source is not None and full and self.config.capture == "stats" and source not in buffer.copied:
+            source = None  # recorded already without its tensor (a zoom asks for it here): read it again
         if source is None:
             dtype, shape = backend.describe(tensor)
             wire = DTYPE_TO_WIRE[dtype]
             nbytes = _nbytes_of(dtype, shape)
-            if self.config.capture != "stats":
+            if full:
                 stats, host = self._copy((phase, target, call, slot), tensor, dtype, nbytes)
             else:
                 stats = self._statistics((phase, target, call, slot), tensor, nbytes)
@@ -380,7 +387,7 @@ class Recorder:
         index = self._append(phase, target, call, slot, wire, shape, stats)
         if index is None:
             return None
-        if self.config.capture != "stats":
+        if full:
             shared = buffer.copied.get(source) if source is not None else None
             if shared is not None:  # the same tensor again: sent once, for both records
                 shared.records.append(index)
@@ -391,7 +398,7 @@ class Recorder:
         if seen is not None and source is None:
             seen[backend.identity(tensor)] = (tensor, backend.inplace_version(tensor), index)
         sketcher = self._sketcher
-        if sketcher is not None and dtype in _FLOATS:
+        if sketcher is not None and dtype in _FLOATS and (self.config.sketch or self._zoomed(phase, target)[1]):
             if source is not None and source in buffer.sketches:
                 buffer.sketches[index] = buffer.sketches[source]
             elif math.prod(shape) > sketcher.spec.buckets:
@@ -511,6 +518,37 @@ class Recorder:
 
     # -- step boundary ------------------------------------------------------
 
+    def set_zoom(self, zoom: Any) -> None:
+        """What the step starting now captures beyond the attach settings (a StepZoom of
+        twinstep.capture.control; None: as attached).  Host buffers and the sketcher are made the
+        first time a zoom needs them."""
+        self._zoom = zoom
+        if zoom is None:
+            return
+        if zoom.wants_tensors and self._pool is None:
+            self._pool = HostBufferPool(self.backend.allocate_host, max_free_bytes=self._host_pool_bytes)
+        if zoom.wants_sketches and self._sketcher is None:
+            self._sketcher = self.backend.make_sketcher(SketchSpec())
+
+    def _zoomed(self, phase: int, target: int) -> tuple[bool, bool]:
+        """(full tensor, sketch) a zoom asks for this record's module (a parameter's: its owner)."""
+        zoom = self._zoom
+        if zoom is None:
+            return False, False
+        if phase in (pb.GRAD, pb.PARAM):
+            if target >= len(self.parameter_infos):
+                return False, False
+            module = self.parameter_infos[target].module
+        elif phase in (pb.FORWARD, pb.BACKWARD, pb.INPUT) and target < len(self._module_names):
+            module = self._module_names[target]
+        else:
+            return False, False
+        return zoom.tensors(module), zoom.sketch(module)
+
+    def _full_tensor(self, phase: int, target: int) -> bool:
+        """This record carries its full tensor: as attached, or asked by a zoom."""
+        return self.config.capture != "stats" or (self._zoom is not None and self._zoomed(phase, target)[0])
+
     def set_active(self, active: bool, step: int | None = None) -> None:
         """Capture (or not) the step that starts now; ``step`` names it in failure counts.
 
@@ -535,6 +573,11 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def last_phase(self) -> int | None:
+        """The phase of the step's latest record so far (None before any): where a value named now belongs."""
+        phase = self._buffer.phase
+        return phase[-1] if phase else None
 
     def take_new_modules(self) -> list[pb.ModuleInfo]:
         new, self._new_modules = self._new_modules, []

@@ -14,7 +14,9 @@ EXAMPLES: dict[str, str] = {
   twinstep serve                                   # loopback, port 50051, sessions in memory
   twinstep serve --port 50051 --halt-on-divergence --config tolerances.yaml
   twinstep serve --host 0.0.0.0 --self-signed ./certs --operator-token s3cret --journal ./journal
-  twinstep serve --http-port 8080                  # and the live dashboard at http://127.0.0.1:8080/""",
+  twinstep serve --http-port 8080                  # and the live dashboard at http://127.0.0.1:8080/
+  twinstep serve --record recordings --record-budget 20000000000   # keep every session's streams
+  twinstep serve --replay port=recordings:torch    # session 'port': its recorded torch run is the baseline""",
     "watch": """\
   twinstep watch demo                              # until every run of session 'demo' has ended
   twinstep watch demo --server 10.0.0.5:50051 --follow""",

@@ -17,6 +17,9 @@ from twinstep.cli import watch as watch_cli
 from twinstep.cli import run as run_cli
 from twinstep.cli import report_files
 from twinstep.cli import compare_dumps as compare_dumps_cli
+from twinstep.cli import reproduce as reproduce_cli
+from twinstep.cli import zoom as zoom_cli
+from twinstep.cli import compare_recordings as compare_recordings_cli
 from twinstep.cli.watch import format_event  # noqa: F401  (its home was here: callers import it from main)
 from twinstep.cli.examples import add_examples
 from twinstep.server.report.render import render_text, report_schema, report_to_dict
@@ -60,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: $TWINSTEP_JOURNAL; none: sessions live in memory only)")
     durable.add_argument("--session-ttl", type=float, metavar="SECONDS",
                          help="seconds a finished session stays in memory before only its report is kept (default 3600)")
+    recording = serve.add_argument_group("record and replay (docs/recording.md)")
+    recording.add_argument("--record", metavar="DIR",
+                           help="record every session's streams in DIR, one compressed file per session, to compare "
+                                "a later candidate against (--replay) or offline (compare-recordings)")
+    recording.add_argument("--record-budget", type=int, metavar="BYTES",
+                           help="bytes the recordings in DIR may take (default 10 GiB): past it the oldest finished "
+                                "ones are deleted, then recordings take no more steps (logged and counted)")
+    recording.add_argument("--replay", metavar="SESSION=PATH[:RUN]", action="append", default=[],
+                           help="session SESSION's baseline is run RUN (default: the baseline) of a recording (a "
+                                "file, or the newest of SESSION in a directory), played at the pace of the "
+                                "candidates that join (repeatable)")
     dashboard = serve.add_argument_group("dashboard (docs/dashboard.md)")
     dashboard.add_argument("--http-port", type=int, metavar="PORT",
                            help="also serve the live dashboard and /metrics over HTTP on PORT (0: a free port; "
@@ -91,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     watch_cli.add_parser(sub)
     compare_dumps_cli.add_parser(sub)
+    zoom_cli.add_parser(sub)
+    reproduce_cli.add_parser(sub)
+    compare_recordings_cli.add_parser(sub)
 
     report = sub.add_parser("report", help="print a session's report")
     report.add_argument("session", nargs="?")
@@ -132,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return {"serve": _serve, "watch": watch_cli.run, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions, "run": run_cli.run,
-                "compare-dumps": compare_dumps_cli.run}[args.command](args)
+                "compare-dumps": compare_dumps_cli.run, "zoom": zoom_cli.run, "reproduce": reproduce_cli.run, "compare-recordings": compare_recordings_cli.run}[args.command](args)
     except grpc.RpcError as error:
         from twinstep.transport.security import explain
 
@@ -157,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
     journal = args.journal or os.environ.get("TWINSTEP_JOURNAL")
     if journal:
         config.journal = journal
+    _record_options(args, config)
     if args.session_ttl is not None:
         if args.session_ttl < 0:
             raise ValueError("--session-ttl must not be negative")
@@ -180,6 +198,8 @@ def _serve(args: argparse.Namespace) -> int:
         restored = handle.registry.names()
         print(f"journal: {handle.registry.store.directory if handle.registry.store else config.journal}"
               + (f" (restored: {', '.join(restored)})" if restored else ""), flush=True)
+    if handle.recording is not None:
+        _print_recording(handle.recording)
     if args.self_signed:
         print(f"clients trust this server with: export TWINSTEP_TLS_CA={os.path.abspath(security.tls_cert or '')}",
               flush=True)
@@ -194,6 +214,28 @@ def _serve(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     handle.stop(grace=2.0)
     return 0
+
+
+def _print_recording(service) -> None:
+    if service.recorder is not None:
+        print(f"recording every session in {service.recorder.directory}", flush=True)
+    for session, player in service.players.items():
+        print(f"session {session}: baseline {player.run.name!r} played from {player.path}", flush=True)
+
+
+def _record_options(args: argparse.Namespace, config) -> None:
+    """--record, --record-budget and --replay over the config file's record, record_budget and replay."""
+    if args.record:
+        config.record = args.record
+    if args.record_budget is not None:
+        if args.record_budget < 1:
+            raise ValueError("--record-budget must be a positive number of bytes")
+        config.record_budget = args.record_budget
+    for text in args.replay:
+        session, sep, source = text.partition("=")
+        if not sep or not session or not source:
+            raise ValueError(f"--replay {text!r}: expected SESSION=PATH[:RUN], e.g. --replay port=recordings:torch")
+        config.replay[session] = source
 
 
 def _server_security(args: argparse.Namespace):

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = args.run or args.framework
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    # torchrun's RANK, else paddle.distributed.launch's PADDLE_TRAINER_ID: each rank trains on its own batches.
+    rank = int(os.environ.get("RANK", os.environ.get("PADDLE_TRAINER_ID", "0")))
     prefix = f"[{run}]" if world_size == 1 else f"[{run}:{rank}]"
     cfg = spec.ModelConfig(seed=args.seed, tanh_gelu_layers=(1,) if args.bug == "gelu_tanh" else ())
     lr = BUGGY_LR if args.bug == "lr" else LR
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             if not args.no_monitor:
                 stats = mon.stats
-                result.update(steps_sent=stats.steps_sent, dropped=dict(stats.dropped), tensor_bytes=stats.tensor_bytes)
+                result.update(steps_sent=stats.steps_sent, dropped=dict(stats.dropped), tensor_bytes=stats.tensor_bytes,
+                              bundles=mon.bundles)
             with open(args.result_file, "w") as f:
                 json.dump(result, f)
     return 0

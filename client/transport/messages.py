@@ -62,6 +62,7 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int], tensor_pi
         tensor_pieces=tensor_pieces,
         incomplete=batch.incomplete,
         cost=batch.cost.to_proto(),
+        record_names=batch.record_names,
     )
     if batch.sketch_records is not None and len(batch.sketch_records):
         buckets, seed = batch.sketch_spec

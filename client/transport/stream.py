@@ -380,7 +380,7 @@ class StreamClient(Sender):
             return True
         if kind == "command":
             command = response.command
-            if command.kind == pb.Command.HALT_PREPARE:
+            if command.kind in (pb.Command.HALT_PREPARE, pb.Command.STEP_QUERY):  # where training is now
                 ack = pb.HaltAck(request_id=command.request_id, current_step=self._current_step())
                 self._send_control(pb.ClientMessage(halt_ack=ack))
             self._on_command(command)

@@ -2,7 +2,8 @@
 
 Records are joined on (phase, baseline name, call index, slot): fused groups
 first (one module on one side, its parts on the other), then by name after
-the mapping.  Used once per pair of layouts by the planner; the comparator
+the mapping.  Named records (phase record) join by their own names: no
+mapping or fused rule applies to them.  Used once per pair of layouts by the planner; the comparator
 names fused groups the same way.
 """
 
@@ -54,6 +55,8 @@ def join(base: StepData, cand: StepData, mapping: NameMapping
             ("baseline", base, cand_index, used_base, used_cand),
         ):
             for x, name in enumerate(data.names):
+                if int(data.phase[x]) == phases.RECORD:
+                    continue
                 module, local = _split(int(data.phase[x]), name)
                 matched = mapping.fused_match(side, module)
                 if not matched:
@@ -72,7 +75,8 @@ def join(base: StepData, cand: StepData, mapping: NameMapping
     for j, name in enumerate(cand.names):
         if j in used_cand:
             continue
-        i = base_index.get(key(cand, j, mapping.to_baseline(name)))
+        named = int(cand.phase[j]) == phases.RECORD
+        i = base_index.get(key(cand, j, name if named else mapping.to_baseline(name)))
         if i is None or i in used_base:
             unmatched_candidate.append(RecordLabel(phases.name(int(cand.phase[j])), name))
             continue

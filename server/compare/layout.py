@@ -10,7 +10,7 @@ import numpy as np
 
 from twinstep.layouts import is_in_out
 
-__all__ = ["is_in_out", "needs_transpose", "shapes_compatible", "align", "fused_shape", "fuse"]
+__all__ = ["is_in_out", "needs_transpose", "shapes_compatible", "align", "fused_shape", "fuse", "unfuse"]
 
 def needs_transpose(base: tuple[str, str, str], cand: tuple[str, str, str]) -> bool:
     """Whether a candidate parameter must be transposed to the baseline's layout.
@@ -68,3 +68,15 @@ def fuse(parts: list[np.ndarray], axis: int, groups: int) -> np.ndarray:
     """
     chunks = [np.split(part, groups, axis=axis) for part in parts]
     return np.concatenate([chunk[g] for g in range(groups) for chunk in chunks], axis=axis)
+
+
+def unfuse(fused: np.ndarray, axis: int, groups: int, sizes: list[int]) -> list[np.ndarray]:
+    """The inverse of ``fuse``: the parts, given each part's size along ``axis`` (shapes checked by fused_shape).
+
+    Weight sync splits a fused baseline parameter (paddle's qkv_proj) into the
+    candidate's parts (torch's q_proj, k_proj, v_proj).
+    """
+    chunk = [size // groups for size in sizes]
+    bounds = np.cumsum(chunk)[:-1].tolist()
+    per_group = [np.split(group, bounds, axis=axis) for group in np.split(fused, groups, axis=axis)]
+    return [np.concatenate([group[k] for group in per_group], axis=axis) for k in range(len(sizes))]

@@ -16,6 +16,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinstep import phases
 from twinstep.phases import STEP_ORDER
 
 #: Metrics from statistics, then from full tensors, then estimated from sketches (their
@@ -41,6 +42,9 @@ _FP32_DEFAULTS: dict[str, dict[str, float]] = {
     # step); whole-tensor statistics barely move, element-wise metrics do.  The
     # lr 1e-3 vs 1.1e-3 bug: 0.1 on every bias and norm weight.
     "param": {"rms": 5e-5, "mean": 5e-5, "extrema": 1e-4, "rel_l2": 1e-3, "cosine": 1e-5},
+    # Named floating values (Monitor.record: a learning rate, a gradient norm, a metric), as the loss.
+    # Integer and boolean ones (input ids, labels) compare exactly: every tolerance 0 (for_record).
+    "record": {"rms": 1e-5, "mean": 1e-5, "extrema": 1e-5, "rel_l2": 1e-5, "cosine": 1e-6},
 }
 # Low precision, measured with ``python benchmarks/calibrate_dtype.py --steps 20``:
 # a faithful pair (Phi3, eager attention on one thread vs SDPA on two: other
@@ -90,6 +94,9 @@ DTYPE_SCALE: dict[str, dict[str, dict[str, float]]] = {
 }
 #: Arithmetics named by runs (Hello.precision).
 PRECISIONS = ("fp32", "tf32")
+#: Phases a configuration sets tolerances for: the step's, and named records.
+RECORD = phases.NAMES[phases.RECORD]
+CONFIGURABLE = (*STEP_ORDER, RECORD)
 _NEVER = float("inf")
 
 
@@ -110,7 +117,7 @@ class Override:
     pattern: str
     """Glob over baseline names (module or parameter)."""
     phase: str = "*"
-    """One of twinstep.phases.STEP_ORDER or "*"."""
+    """One of twinstep.phases.STEP_ORDER, "record" (named records) or "*"."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -132,10 +139,16 @@ class ToleranceConfig:
             return found
         # A module's input is judged like an output (it is one, of the code before it).
         judged = "forward" if phase == "input" else phase
-        scale = DTYPE_SCALE.get(dtype, {}).get(judged, {})
+        # A named value's rounding in low precision is a loss's: one number computed at the end of a step.
+        scale = DTYPE_SCALE.get(dtype, {}).get("loss" if phase == RECORD else judged, {})
         tolerances = {m: _NEVER for m in METRICS}
         defaults = self.defaults.get(judged, {})
         tolerances.update({m: v * scale.get(m, 1.0) for m, v in defaults.items()})
+        if phase == RECORD and dtype not in PRECISION_ORDER:
+            # Integers and booleans: value by value, exactly.  Their sums are exact, so equal values give
+            # equal statistics; the cosine gap of equal vectors can round to 2e-16, and says nothing
+            # max_abs does not: it is not judged.
+            tolerances.update({m: (_NEVER if m == "cosine" else 0.0) for m in METRICS})
         tolerances["shape"] = 0.0
         tolerances["nonfinite"] = 0.0
         for override in self.overrides:
@@ -157,16 +170,16 @@ class ToleranceConfig:
         for key, value in data.items():
             if key == "overrides":
                 continue
-            if key not in STEP_ORDER:
-                raise ValueError(f"{where}.{key}: unknown phase (expected one of {', '.join(STEP_ORDER)}, overrides)")
+            if key not in CONFIGURABLE:
+                raise ValueError(f"{where}.{key}: unknown phase (expected one of {', '.join(CONFIGURABLE)}, overrides)")
             config.defaults[key].update(_metrics(value, f"{where}.{key}"))
         for i, rule in enumerate(data.get("overrides") or []):
             at = f"{where}.overrides[{i}]"
             if not isinstance(rule, dict) or "pattern" not in rule:
                 raise ValueError(f"{at} needs a pattern")
             phase = str(rule.get("phase", "*"))
-            if phase != "*" and phase not in STEP_ORDER:
-                raise ValueError(f"{at}.phase: {phase!r} is not one of {', '.join(STEP_ORDER)} or *")
+            if phase != "*" and phase not in CONFIGURABLE:
+                raise ValueError(f"{at}.phase: {phase!r} is not one of {', '.join(CONFIGURABLE)} or *")
             metrics = {k: v for k, v in rule.items() if k not in ("pattern", "phase")}
             config.overrides.append(Override(pattern=str(rule["pattern"]), phase=phase, metrics=_metrics(metrics, at)))
         return config

@@ -1,6 +1,8 @@
 """Declare the first divergence only when no earlier one can still appear.
 
-Order: earliest step; within a step forward, loss, backward, grad, param;
+Order: earliest step; within a step forward, loss, backward, grad, param,
+and each named record where the baseline recorded it (before the forward,
+after it, or after the backward: twinstep.phases.record_position);
 within a phase the baseline's record order (outputs in the order they were
 produced, gradients in the order backward produced them); then rank.  A
 divergence at step s is declared once, for every rank, both runs have
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from twinstep.phases import step_position
+from twinstep.phases import STEP_ORDER, record_position, step_position
 import numpy as np
 
 from twinstep.server.compare.comparator import Row, Rows, StepComparison
@@ -73,7 +75,7 @@ class FirstDivergenceTracker:
         if row is None or comparison.candidate_run in self.declared:
             return
         position = comparison.rows.index(row)
-        key = (comparison.step, step_position(row.phase), position, comparison.rank)
+        key = (comparison.step, _place_in_step(comparison, row.phase, position), position, comparison.rank)
         best = self._best.get(comparison.candidate_run)
         if best is None or key < best.key:
             previous = self._param_headroom.get(comparison.candidate_run, {}).get(comparison.step - 1)
@@ -103,6 +105,17 @@ class FirstDivergenceTracker:
             (sum(1 for ranks in steps.values() if len(ranks) >= world_size) for steps in self._compared.values()),
             default=0,
         )
+
+
+def _place_in_step(comparison: StepComparison, phase: str, position: int) -> float:
+    """Where a record comes in its step: its phase's place, or for a named record the place it was recorded
+    at, after the step phase of the baseline's records just before it (they go out in step order)."""
+    if phase != "record":
+        return step_position(phase)
+    rows = comparison.rows
+    before = rows.plan.phases[:position] if isinstance(rows, Rows) else [r.phase for r in rows[:position]]
+    after = next((p for p in reversed(before) if p in STEP_ORDER), None)
+    return record_position(after)
 
 
 def _closest_param(comparison: StepComparison) -> tuple[float, str] | None:

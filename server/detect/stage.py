@@ -3,10 +3,14 @@
 Follows the seed workflow: step-0 forward differs -> forward; forward matches,
 output or parameter gradients differ -> backward; forward and gradients match,
 parameters after the update differ -> optimizer; weights matched after step
-k-1 but step k's very first module differs -> data.
+k-1 but step k's very first module differs -> data.  A named record
+(Monitor.record) that diverges first is said in the words of what its name
+says it is: the data, the learning rate schedule, the gradient norm.
 """
 
 from __future__ import annotations
+
+import re
 
 from twinstep.server.compare.comparator import Row, StepComparison
 
@@ -25,9 +29,53 @@ def describe(row: Row, comparison: StepComparison, previous_params: tuple[float,
     return text
 
 
+#: Words in a record's name -> what the value is, and what to check when it differs.
+_DATA_WORDS = frozenset({"input", "inputs", "ids", "labels", "label", "tokens", "token", "mask", "batch", "data",
+                         "targets", "target", "pixel", "pixels", "images", "image", "position", "sample", "samples"})
+_RECORD_KINDS = (
+    (lambda words, name: "lr" in words or "learning" in words or name.startswith("lr"),
+     "learning rate schedule",
+     "the learning rates differ from this step on: check the warmup length, the decay, the step the scheduler "
+     "counts from, and where scheduler.step() is called"),
+    (lambda words, name: bool(words & _DATA_WORDS),
+     "data pipeline",
+     "the runs were fed other inputs: check batch order, shuffling and sampler seeds, tokenization and padding; "
+     "sync batches (Monitor.baseline_batch) to align the model first, then align the pipeline"),
+    (lambda words, name: ("grad" in words and "norm" in words) or "gradnorm" in name,
+     "gradient norm",
+     "check gradient clipping and how the norm is taken (which parameters, which norm, before or after scaling)"),
+    (lambda words, name: "loss" in words,
+     "loss value",
+     "check the loss function, its reduction and label handling"),
+)
+
+
+def record_kind(name: str) -> tuple[str, str] | None:
+    """(what a named value is, what to check) from the words of its name; None when the name says neither."""
+    lowered = name.lower()
+    words = set(re.split(r"[^a-z0-9]+", lowered)) - {""}
+    for test, kind, hint in _RECORD_KINDS:
+        if test(words, lowered):
+            return kind, hint
+    return None
+
+
+def _describe_record(row: Row, comparison: StepComparison) -> str:
+    step = comparison.step
+    before = f"every record before it in step {step}" + (" and every earlier step" if step else "")
+    found = record_kind(row.name)
+    if found is None:
+        return (f"named value {row.name!r} (Monitor.record) differs at step {step} ({row.metric} {row.value:.3g} > "
+                f"{row.tolerance:.3g}) while {before} matched: compare how the two runs compute it")
+    kind, hint = found
+    return (f"{kind}: the named value {row.name!r} differs at step {step} while {before} matched; {hint}")
+
+
 def _describe(row: Row, comparison: StepComparison) -> str:
     name = row.name or "(model)"
     step = comparison.step
+    if row.phase == "record":
+        return _describe_record(row, comparison)
     in_phase = [r for r in comparison.rows if r.phase == row.phase]
     divergent = [r for r in in_phase if r.divergent]
     if row.phase == "forward":

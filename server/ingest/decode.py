@@ -13,6 +13,8 @@ from twinstep.v1 import twinstep_pb2 as pb
 MAX_RECORDS = 2_000_000
 MAX_NDIM = 64
 MAX_SKETCH_BUCKETS = 4096
+MAX_RECORD_NAMES = 4096
+MAX_RECORD_NAME = 256
 
 
 def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollector | None = None) -> StepData:
@@ -51,7 +53,8 @@ def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollec
         raise invalid(f"step {message.step}: negative dimension")
     phase_column = np.asarray(message.phase, dtype=np.int64)
     layout = manifest.layouts.resolve(message.step, manifest, phase_column, np.asarray(message.target, dtype=np.int64),
-                                      np.asarray(message.dtype, dtype=np.int64), ndim, dims)
+                                      np.asarray(message.dtype, dtype=np.int64), ndim, dims,
+                                      record_names(message))
     names, shapes = layout.names, layout.shapes
     count = np.asarray(message.stats.count, dtype=np.int64)
     if not np.array_equal(count, layout.numel):
@@ -87,6 +90,20 @@ def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollec
         layout_key=(layout.key, call_index.tobytes(), slot.tobytes()),
         **_sketches(message, n),
     )
+
+
+def record_names(message: pb.StepRecords) -> tuple[str, ...]:
+    """The step's names of named records (phase RECORD), checked: unique, non-empty, bounded."""
+    names = tuple(message.record_names)
+    if len(names) > MAX_RECORD_NAMES:
+        raise invalid(f"step {message.step} names {len(names)} records, over the limit of {MAX_RECORD_NAMES}")
+    if len(set(names)) != len(names):
+        raise invalid(f"step {message.step}: record_names lists a name twice")
+    for name in names:
+        if not name or len(name) > MAX_RECORD_NAME:
+            raise invalid(f"step {message.step}: a record name must have 1 to {MAX_RECORD_NAME} characters, "
+                          f"got {name[:40]!r}")
+    return names
 
 
 def _sketches(message: pb.StepRecords, n: int) -> dict:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from twinstep.server.ingest.manifest import Manifest
 
 LOSS_NAME = "loss"
+#: The type column of a named record (a module's class name for module records).
+RECORD_TYPE = "record"
 #: Layouts kept per manifest (most recently used): a training has a handful (say, train and eval steps).
 MAX_LAYOUTS = 64
 
@@ -57,14 +59,20 @@ class LayoutCache:
         return len(self._layouts)
 
     def resolve(self, step: int, manifest: "Manifest", phase_column: np.ndarray, targets: np.ndarray,
-                dtypes: np.ndarray, ndim: np.ndarray, dims: np.ndarray) -> RecordLayout:
-        """The layout of these columns; raises InputError naming the first record the manifest cannot explain."""
-        key = (phase_column.tobytes(), targets.tobytes(), dtypes.tobytes(), ndim.tobytes(), dims.tobytes())
+                dtypes: np.ndarray, ndim: np.ndarray, dims: np.ndarray,
+                record_names: tuple[str, ...] = ()) -> RecordLayout:
+        """The layout of these columns; raises InputError naming the first record the manifest cannot explain.
+
+        ``record_names``: the step's own names of its named records (phase RECORD), which its targets index.
+        """
+        key = (phase_column.tobytes(), targets.tobytes(), dtypes.tobytes(), ndim.tobytes(), dims.tobytes(),
+               record_names)
         found = self._layouts.get(key)
         if found is not None:
             self._layouts.move_to_end(key)
             return found
-        layout = _resolve(step, manifest, phase_column.tolist(), targets.tolist(), dtypes.tolist(), ndim, dims)
+        layout = _resolve(step, manifest, phase_column.tolist(), targets.tolist(), dtypes.tolist(), ndim, dims,
+                          record_names)
         self._layouts[key] = layout
         while len(self._layouts) > self._size:
             self._layouts.popitem(last=False)
@@ -72,7 +80,7 @@ class LayoutCache:
 
 
 def _resolve(step: int, manifest: "Manifest", phase_values: list[int], targets: list[int], dtype_codes: list[int],
-             ndim: np.ndarray, dims: np.ndarray) -> RecordLayout:
+             ndim: np.ndarray, dims: np.ndarray, record_names: tuple[str, ...] = ()) -> RecordLayout:
     shapes: list[tuple[int, ...]] = []
     flat = dims.tolist()
     offset = 0
@@ -98,6 +106,12 @@ def _resolve(step: int, manifest: "Manifest", phase_values: list[int], targets: 
         elif phase == phases.LOSS:
             names.append(LOSS_NAME)
             types.append("")
+        elif phase == phases.RECORD:
+            if not 0 <= target < len(record_names):
+                raise invalid(f"step {step}: record {i} names record {target}, but the step names "
+                              f"{len(record_names)} (record_names)")
+            names.append(record_names[target])
+            types.append(RECORD_TYPE)
         else:
             raise invalid(f"step {step}: record {i} has unknown phase {phase}")
         name = WIRE_TO_DTYPE.get(dtype)

@@ -98,3 +98,12 @@ def _apply(session: Session, entry: Entry, streams: dict[int, Connection], left:
         left[entry.stream] = conn
     elif entry.kind is Kind.GIVE_UP:
         session.give_up(conn)
+
+
+def apply_entry(session: Session, entry: Entry, conn: Connection) -> None:
+    """Apply one entry of a stream that ``conn`` already joined, as a replay does (not HELLO or LEAVE).
+
+    For other players of journaled inputs (twinstep.server.record.player): entry kinds
+    added here later are applied there too.
+    """
+    _apply(session, entry, {entry.stream: conn}, {})

@@ -238,6 +238,11 @@ class SessionJournal:
         """Why the journal stopped taking this session's entries ("" while it works)."""
         self.closed = False
 
+    @property
+    def last_seq(self) -> int:
+        """The seq of the newest entry committed (0: none yet); a recorder copies a restored session up to it."""
+        return self._next - 1
+
     def close(self) -> None:
         """From now on appends raise JournalClosed (caller holds the session's lock: no append is half done)."""
         self.closed = True

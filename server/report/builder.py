@@ -26,7 +26,12 @@ def build_report(snapshot: SessionSnapshot) -> pb.Report:
         coverage=snapshot.coverage,
         long_run=snapshot.long_run,
         headroom=snapshot.headroom,
+        records=snapshot.records,
+        zooms=snapshot.zooms,
+        tensor_steps=snapshot.tensor_steps,
     )
+    if snapshot.batch_sync is not None:
+        report.batch_sync.CopyFrom(snapshot.batch_sync)
     first = snapshot.first
     if first is not None:
         row, comparison = first.row, first.comparison

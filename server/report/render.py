@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from twinstep import phases
+from twinstep.server.report.records import batch_sync_to_dict, record_lines, records_to_dict
+from twinstep.server.report.zoom import tensor_steps_to_dict, zoom_lines, zooms_to_dict
+from twinstep.server.report.weights import weight_sync_lines, weight_sync_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -85,6 +88,10 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
         "unmatched": {"baseline": list(report.unmatched_baseline), "candidate": list(report.unmatched_candidate)},
         "proposed_mapping": report.proposed_mapping or None,
         "errors": list(report.errors),
+        "records": records_to_dict(report),
+        "batch_sync": batch_sync_to_dict(report),
+        "zooms": zooms_to_dict(report),
+        "tensor_steps": tensor_steps_to_dict(report),
     }
 
 
@@ -110,6 +117,7 @@ def _run(r: pb.RunStatus) -> dict[str, Any]:
         "capture_cost": _cost(r.capture_cost),
         "environment": dict(r.environment),
         "warnings": list(r.warnings),
+        "weight_sync": weight_sync_to_dict(r),
         "capture_health": [
             {
                 "rank": h.rank,
@@ -200,6 +208,7 @@ def render_text(report: pb.Report) -> str:
         )
         if r.capture_cost.steps:
             lines.append(f"    capture: {describe_cost(r.capture_cost)}")
+        lines.extend(weight_sync_lines(r))
     lines.append(f"  steps compared: {report.steps_compared}")
     if report.status_reasons:
         heading = "not compared" if report.status == "incomplete" else "coverage"
@@ -225,6 +234,7 @@ def render_text(report: pb.Report) -> str:
             lines.append(f"culprit: {report.culprit}")
     if report.tree:
         phase = report.first_divergence.phase if report.HasField("first_divergence") else "forward"
+        phase = "named" if phase == "record" else phase  # "named records", not "record records"
         lines.append("")
         lines.append(f"{phase} records, step {report.first_divergence.step if report.HasField('first_divergence') else 'last compared'}:")
         lines.extend(_tree_lines(report.tree))
@@ -242,6 +252,12 @@ def render_text(report: pb.Report) -> str:
     if report.headroom:
         lines.append("")
         lines.extend(_headroom_lines(report.headroom))
+    if report.records or report.HasField("batch_sync"):
+        lines.append("")
+        lines.extend(record_lines(report))
+    if report.zooms or report.tensor_steps:
+        lines.append("")
+        lines.extend(zoom_lines(report))
     if report.unmatched_baseline or report.unmatched_candidate:
         lines.append("")
         if report.unmatched_baseline:

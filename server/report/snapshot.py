@@ -33,3 +33,11 @@ class SessionSnapshot:
     coverage: tuple[pb.Coverage, ...]
     long_run: tuple[pb.LongRun, ...]
     headroom: tuple[pb.Headroom, ...]
+    records: tuple[pb.NamedRecord, ...] = ()
+    """Per candidate and name: the values the runs named (twinstep.server.detect.records)."""
+    batch_sync: pb.BatchSync | None = None
+    """What the baseline published for candidates (None: batch sync unused)."""
+    zooms: tuple[pb.ZoomWindow, ...] = ()
+    """Live capture changes asked of the runs (twinstep.server.control)."""
+    tensor_steps: tuple[pb.TensorSteps, ...] = ()
+    """Per candidate rank: steps compared with full tensors."""

@@ -46,15 +46,23 @@ class HaltCoordinator:
             self.halted, self.reason = True, reason
             return True
 
-    def halt_runs(self, plan: list[tuple[str, int, list[Connection]]]) -> list[str]:
-        """Send HALT to every open stream of (run, world size, streams); returns the runs told."""
+    def halt_runs(self, plan: list[tuple[str, int, list[Connection]]], at_step: int | None = None) -> list[str]:
+        """Send HALT to every open stream of (run, world size, streams); returns the runs told.
+
+        ``at_step``: a step already chosen ahead of every rank (twinstep.server.control): every
+        stream is told to stop there, with no question asked.
+        """
         logger.warning("session %s: halting all runs: %s", self.session, self.reason)
         told = []
         for run, world_size, conns in plan:
             if not conns:
                 continue
             told.append(run)
-            if len(conns) == 1 and world_size == 1:
+            if at_step is not None:
+                for conn in conns:
+                    conn.send(halt_command(at_step, self.reason))
+                self._announce(pb.HaltNotice(reason=self.reason, run=run, at_step=at_step))
+            elif len(conns) == 1 and world_size == 1:
                 conns[0].send(halt_command(-1, self.reason))
                 self._announce(pb.HaltNotice(reason=self.reason, run=run, at_step=-1))
             else:

@@ -26,6 +26,7 @@ _INF = float("inf")
 MAX_TEXT = 500
 MAX_WARNINGS = 16
 _MAX_ENVIRONMENT = 32
+_MAX_WEIGHT_SYNC_BYTES = 4 << 20
 
 
 @dataclass
@@ -60,6 +61,8 @@ class RankState:
     """Steps this rank sent again (after a reconnect or a server restart) that the server already held."""
     capture_cost: pb.CaptureCost = field(default_factory=pb.CaptureCost)
     """What capture read on this rank, summed over the steps received (each once)."""
+    weight_sync: pb.WeightSync | None = None
+    """What this rank loaded from the baseline's initial parameters (Hello.weight_sync); None: nothing."""
 
     def add_cost(self, cost: pb.CaptureCost) -> None:
         add_cost(self.capture_cost, cost)
@@ -85,6 +88,8 @@ class RunState:
     reference: bool = False
     precision: str = "fp32"
     """Arithmetic of float32 matrix products: "fp32" or "tf32"."""
+    share_weights: bool = False
+    """The baseline shares its initial parameters (Hello.share_weights, as its latest stream said)."""
     ranks: dict[int, RankState] = field(default_factory=dict)
 
     @property
@@ -195,6 +200,8 @@ class Membership:
                 f"framework={run.framework!r}; this process says baseline={hello.baseline}, "
                 f"world_size={hello.world_size}, framework={hello.framework!r}",
             )
+        if hello.rank == 0:
+            run.share_weights = hello.share_weights
         rank_state = run.ranks.get(hello.rank)
         if rank_state is None:
             rank_state = run.ranks[hello.rank] = RankState()
@@ -208,6 +215,7 @@ class Membership:
         rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
         rank_state.warnings = [w[:MAX_TEXT] for w in hello.warnings[:MAX_WARNINGS]]
         rank_state.environment = {k[:64]: v[:MAX_TEXT] for k, v in list(hello.environment.items())[:_MAX_ENVIRONMENT]}
+        rank_state.weight_sync = _bounded_weight_sync(hello)
         conn.session, conn.run, conn.rank = self.session, hello.run, hello.rank
         return rank_state
 
@@ -271,8 +279,22 @@ class Membership:
             first_rank = run.ranks.get(0) or next(iter(run.ranks.values()), None)
             if first_rank is not None:
                 status.environment.update(first_rank.environment)
+                if first_rank.weight_sync is not None:
+                    status.weight_sync.CopyFrom(first_rank.weight_sync)
             out.append(status)
         return out
+
+
+def _bounded_weight_sync(hello: pb.Hello) -> pb.WeightSync | None:
+    """What a run loaded from the baseline, as kept for its report: lists beyond reason are counted, not kept."""
+    if not hello.HasField("weight_sync"):
+        return None
+    sync = pb.WeightSync()
+    sync.CopyFrom(hello.weight_sync)
+    if sync.ByteSize() > _MAX_WEIGHT_SYNC_BYTES:
+        sync.unlisted += len(sync.loaded) + len(sync.no_counterpart) + len(sync.unused)
+        del sync.loaded[:], sync.no_counterpart[:], sync.unused[:]
+    return sync
 
 
 def add_cost(total: pb.CaptureCost, cost: pb.CaptureCost) -> None:

@@ -59,6 +59,11 @@ def parser(prog: str, description: str, framework: str) -> argparse.ArgumentPars
     p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
     p.add_argument("--weights", required=True, metavar="PATH",
                    help="initial weights (.npz, torch names and layouts): written by the torch job, read by the paddle job")
+    p.add_argument("--share-weights", action="store_true",
+                   help="baseline: share the initial weights through twinstep (attach(share_weights=True))")
+    p.add_argument("--init-from-baseline", action="store_true",
+                   help="candidate: start from its own random weights and load the baseline's through twinstep "
+                        "(attach(init_from_baseline=True)) instead of reading --weights")
     return p
 
 
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None
         mon = twinstep.attach(
             trainer.model, session=args.session, run=args.run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep,
+            share_weights=args.share_weights or None, init_from_baseline=args.init_from_baseline or None,
         )
         halted_type = twinstep.Halted
 

@@ -75,7 +75,7 @@ def wait_for_weights(path: str, meta: dict[str, Any], timeout: float = WEIGHTS_T
 class PaddlePort:
     """A paddleformers causal LM loaded from torch weights, its AdamW and the job's loss."""
 
-    def __init__(self, spec: models.ModelSpec, seed: int, torch_state: dict[str, Any], bug: str = "none") -> None:
+    def __init__(self, spec: models.ModelSpec, seed: int, torch_state: dict[str, Any] | None, bug: str = "none") -> None:
         # OpenMP reads this at import time; one thread keeps two jobs light on a small box.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         with warnings.catch_warnings():
@@ -99,7 +99,8 @@ class PaddlePort:
         config = getattr(mod, spec.paddle_config_class)(**cfg)
         self.model = getattr(mod, spec.paddle_class)(config)
         self.model.train()
-        self._load(torch_state, UNTRANSPOSED if bug == "untransposed" else frozenset())
+        if torch_state is not None:  # None: the model keeps its own random weights (--init-from-baseline)
+            self._load(torch_state, UNTRANSPOSED if bug == "untransposed" else frozenset())
 
         if bug == "norm_eps":
             norm = self._layer(NORM_EPS_TARGET)
@@ -225,7 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = models.spec(args.model)
-    state = wait_for_weights(args.weights, {"model": spec.name, "seed": args.seed})
+    # --init-from-baseline: no conversion here; twinstep's attach loads the baseline's weights (weight sync).
+    state = None if args.init_from_baseline else wait_for_weights(args.weights, {"model": spec.name, "seed": args.seed})
     trainer = PaddlePort(spec, args.seed, state, args.bug)
     return loop.run(args, trainer, {"framework": "paddle", "bug": args.bug})
 

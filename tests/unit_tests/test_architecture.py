@@ -81,7 +81,8 @@ def test_a_torch_job_never_imports_paddle(tmp_path):
 #: Client modules the server may use: the contract and framework-neutral definitions, nothing that
 #: runs on the training side (api, capture, transport, kernels, cli, demo, inprocess).
 SHARED = {"twinstep", "twinstep._version", "twinstep.phases", "twinstep.codec", "twinstep.stats",
-          "twinstep.sketch", "twinstep.layouts", "twinstep.environment", "twinstep.netrules"}
+          "twinstep.sketch", "twinstep.layouts", "twinstep.environment", "twinstep.netrules",
+          "twinstep.weight_pieces"}  # weight sync's pieces: both ends cut and assemble them alike
 TRAINING_SIDE = ("twinstep.api", "twinstep.capture", "twinstep.transport", "twinstep.kernels", "twinstep.cli",
                  "twinstep.demo", "twinstep.inprocess")
 

@@ -16,6 +16,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRAD: _ClassVar[Phase]
     PARAM: _ClassVar[Phase]
     INPUT: _ClassVar[Phase]
+    RECORD: _ClassVar[Phase]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ BACKWARD: Phase
 GRAD: Phase
 PARAM: Phase
 INPUT: Phase
+RECORD: Phase
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -61,7 +63,7 @@ ZSTD: Codec
 QUANT_ZSTD: Codec
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings", "every", "include", "exclude", "start_step")
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings", "every", "include", "exclude", "start_step", "share_weights", "weight_sync")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,8 @@ class Hello(_message.Message):
     INCLUDE_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     run: str
@@ -111,7 +115,9 @@ class Hello(_message.Message):
     include: _containers.RepeatedScalarFieldContainer[str]
     exclude: _containers.RepeatedScalarFieldContainer[str]
     start_step: int
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., every: _Optional[int] = ..., include: _Optional[_Iterable[str]] = ..., exclude: _Optional[_Iterable[str]] = ..., start_step: _Optional[int] = ...) -> None: ...
+    share_weights: bool
+    weight_sync: WeightSync
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., every: _Optional[int] = ..., include: _Optional[_Iterable[str]] = ..., exclude: _Optional[_Iterable[str]] = ..., start_step: _Optional[int] = ..., share_weights: _Optional[bool] = ..., weight_sync: _Optional[_Union[WeightSync, _Mapping]] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("id", "name", "type")
@@ -182,7 +188,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost", "record_names")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +211,7 @@ class StepRecords(_message.Message):
     TENSOR_PIECES_FIELD_NUMBER: _ClassVar[int]
     INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    RECORD_NAMES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -220,7 +227,8 @@ class StepRecords(_message.Message):
     tensor_pieces: int
     incomplete: _containers.RepeatedScalarFieldContainer[Phase]
     cost: CaptureCost
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ...) -> None: ...
+    record_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., record_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CaptureCost(_message.Message):
     __slots__ = ("bytes_captured", "bytes_read", "stats_offloaded", "stats_inline", "boundary_us", "steps")
@@ -396,24 +404,54 @@ class Credit(_message.Message):
     def __init__(self, max_step: _Optional[int] = ..., acked_step: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("kind", "reason", "at_step", "request_id")
+    __slots__ = ("kind", "reason", "at_step", "request_id", "zoom")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Command.Kind]
         HALT_PREPARE: _ClassVar[Command.Kind]
         HALT: _ClassVar[Command.Kind]
+        STEP_QUERY: _ClassVar[Command.Kind]
+        ZOOM: _ClassVar[Command.Kind]
     KIND_UNSPECIFIED: Command.Kind
     HALT_PREPARE: Command.Kind
     HALT: Command.Kind
+    STEP_QUERY: Command.Kind
+    ZOOM: Command.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ZOOM_FIELD_NUMBER: _ClassVar[int]
     kind: Command.Kind
     reason: str
     at_step: int
     request_id: int
-    def __init__(self, kind: _Optional[_Union[Command.Kind, str]] = ..., reason: _Optional[str] = ..., at_step: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+    zoom: ZoomSpec
+    def __init__(self, kind: _Optional[_Union[Command.Kind, str]] = ..., reason: _Optional[str] = ..., at_step: _Optional[int] = ..., request_id: _Optional[int] = ..., zoom: _Optional[_Union[ZoomSpec, _Mapping]] = ...) -> None: ...
+
+class ZoomSpec(_message.Message):
+    __slots__ = ("id", "modules", "capture", "sketch", "every", "first_step", "last_step", "bundle_module", "divergent_step", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_MODULE_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    capture: str
+    sketch: bool
+    every: int
+    first_step: int
+    last_step: int
+    bundle_module: str
+    divergent_step: int
+    reason: str
+    def __init__(self, id: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., capture: _Optional[str] = ..., sketch: _Optional[bool] = ..., every: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., bundle_module: _Optional[str] = ..., divergent_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("welcome", "credit", "command", "event")
@@ -428,7 +466,7 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent", "capture_cost")
+    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent", "capture_cost", "weight_sync")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +497,7 @@ class RunStatus(_message.Message):
     RECORDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     STEPS_RESENT_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_COST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     baseline: bool
     framework: str
@@ -475,7 +514,8 @@ class RunStatus(_message.Message):
     records_received: int
     steps_resent: int
     capture_cost: CaptureCost
-    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ..., capture_cost: _Optional[_Union[CaptureCost, _Mapping]] = ...) -> None: ...
+    weight_sync: WeightSync
+    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ..., capture_cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., weight_sync: _Optional[_Union[WeightSync, _Mapping]] = ...) -> None: ...
 
 class RankHealth(_message.Message):
     __slots__ = ("rank", "capture")
@@ -698,7 +738,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ..., coverage: _Optional[str] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage", "records", "batch_sync", "zooms", "tensor_steps")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -716,6 +756,10 @@ class Report(_message.Message):
     HEADROOM_FIELD_NUMBER: _ClassVar[int]
     STATUS_REASONS_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SYNC_FIELD_NUMBER: _ClassVar[int]
+    ZOOMS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_STEPS_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -733,7 +777,95 @@ class Report(_message.Message):
     headroom: _containers.RepeatedCompositeFieldContainer[Headroom]
     status_reasons: _containers.RepeatedScalarFieldContainer[str]
     coverage: _containers.RepeatedCompositeFieldContainer[Coverage]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ...) -> None: ...
+    records: _containers.RepeatedCompositeFieldContainer[NamedRecord]
+    batch_sync: BatchSync
+    zooms: _containers.RepeatedCompositeFieldContainer[ZoomWindow]
+    tensor_steps: _containers.RepeatedCompositeFieldContainer[TensorSteps]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[NamedRecord, _Mapping]]] = ..., batch_sync: _Optional[_Union[BatchSync, _Mapping]] = ..., zooms: _Optional[_Iterable[_Union[ZoomWindow, _Mapping]]] = ..., tensor_steps: _Optional[_Iterable[_Union[TensorSteps, _Mapping]]] = ...) -> None: ...
+
+class ZoomWindow(_message.Message):
+    __slots__ = ("spec", "origin", "runs", "state")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    spec: ZoomSpec
+    origin: str
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    state: str
+    def __init__(self, spec: _Optional[_Union[ZoomSpec, _Mapping]] = ..., origin: _Optional[str] = ..., runs: _Optional[_Iterable[str]] = ..., state: _Optional[str] = ...) -> None: ...
+
+class TensorSteps(_message.Message):
+    __slots__ = ("candidate_run", "rank", "first_step", "last_step", "modules", "modules_unlisted", "max_rel_l2", "max_cosine")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    MODULES_UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_REL_L2_FIELD_NUMBER: _ClassVar[int]
+    MAX_COSINE_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    rank: int
+    first_step: int
+    last_step: int
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    modules_unlisted: int
+    max_rel_l2: float
+    max_cosine: float
+    def __init__(self, candidate_run: _Optional[str] = ..., rank: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., modules_unlisted: _Optional[int] = ..., max_rel_l2: _Optional[float] = ..., max_cosine: _Optional[float] = ...) -> None: ...
+
+class NamedRecord(_message.Message):
+    __slots__ = ("candidate_run", "name", "dtype", "shape", "steps_compared", "steps_diverged", "first_step", "rank", "metric", "value", "tolerance", "baseline_value", "candidate_value", "first_index", "elements_differing", "exact")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_DIFFERING_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    steps_compared: int
+    steps_diverged: int
+    first_step: int
+    rank: int
+    metric: str
+    value: float
+    tolerance: float
+    baseline_value: float
+    candidate_value: float
+    first_index: _containers.RepeatedScalarFieldContainer[int]
+    elements_differing: int
+    exact: bool
+    def __init__(self, candidate_run: _Optional[str] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., steps_compared: _Optional[int] = ..., steps_diverged: _Optional[int] = ..., first_step: _Optional[int] = ..., rank: _Optional[int] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., baseline_value: _Optional[float] = ..., candidate_value: _Optional[float] = ..., first_index: _Optional[_Iterable[int]] = ..., elements_differing: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
+
+class BatchSync(_message.Message):
+    __slots__ = ("published", "delivered", "dropped", "refused", "held_bytes", "budget_bytes")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    published: int
+    delivered: int
+    dropped: int
+    refused: int
+    held_bytes: int
+    budget_bytes: int
+    def __init__(self, published: _Optional[int] = ..., delivered: _Optional[int] = ..., dropped: _Optional[int] = ..., refused: _Optional[int] = ..., held_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class Headroom(_message.Message):
     __slots__ = ("candidate_run", "phase", "metric", "value", "tolerance", "step", "module", "dtype")
@@ -882,3 +1014,241 @@ class History(_message.Message):
     noise_multiple: float
     revision: int
     def __init__(self, session: _Optional[str] = ..., metrics: _Optional[_Iterable[str]] = ..., candidates: _Optional[_Iterable[_Union[ModuleErrors, _Mapping]]] = ..., curves: _Optional[_Iterable[_Union[Curve, _Mapping]]] = ..., steps: _Optional[int] = ..., noise_multiple: _Optional[float] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class PublishedBatch(_message.Message):
+    __slots__ = ("session", "run", "rank", "step", "value")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    run: str
+    rank: int
+    step: int
+    value: BatchValue
+    def __init__(self, session: _Optional[str] = ..., run: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., value: _Optional[_Union[BatchValue, _Mapping]] = ...) -> None: ...
+
+class BatchValue(_message.Message):
+    __slots__ = ("tensor", "list", "tuple", "dict", "int_value", "float_value", "bool_value", "string_value", "none")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    DICT_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    tensor: BatchTensor
+    list: BatchValues
+    tuple: BatchValues
+    dict: BatchDict
+    int_value: int
+    float_value: float
+    bool_value: bool
+    string_value: str
+    none: bool
+    def __init__(self, tensor: _Optional[_Union[BatchTensor, _Mapping]] = ..., list: _Optional[_Union[BatchValues, _Mapping]] = ..., tuple: _Optional[_Union[BatchValues, _Mapping]] = ..., dict: _Optional[_Union[BatchDict, _Mapping]] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., none: _Optional[bool] = ...) -> None: ...
+
+class BatchValues(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[BatchValue]
+    def __init__(self, items: _Optional[_Iterable[_Union[BatchValue, _Mapping]]] = ...) -> None: ...
+
+class BatchDict(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedCompositeFieldContainer[BatchValue]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[BatchValue, _Mapping]]] = ...) -> None: ...
+
+class BatchTensor(_message.Message):
+    __slots__ = ("dtype", "shape", "codec", "raw_nbytes", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: Codec
+    raw_nbytes: int
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PublishBatchReply(_message.Message):
+    __slots__ = ("held", "dropped")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    dropped: int
+    def __init__(self, held: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("session", "run", "rank", "step", "wait_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    run: str
+    rank: int
+    step: int
+    wait_seconds: float
+    def __init__(self, session: _Optional[str] = ..., run: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class BatchReply(_message.Message):
+    __slots__ = ("ready", "batch", "waiting_for")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    batch: PublishedBatch
+    waiting_for: str
+    def __init__(self, ready: _Optional[bool] = ..., batch: _Optional[_Union[PublishedBatch, _Mapping]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+
+class WeightPiece(_message.Message):
+    __slots__ = ("parameter", "offset", "numel", "codec", "raw_nbytes", "data")
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    parameter: int
+    offset: int
+    numel: int
+    codec: Codec
+    raw_nbytes: int
+    data: bytes
+    def __init__(self, parameter: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WeightsHeader(_message.Message):
+    __slots__ = ("session", "run", "framework", "parameters")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    run: str
+    framework: str
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
+    def __init__(self, session: _Optional[str] = ..., run: _Optional[str] = ..., framework: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ...) -> None: ...
+
+class WeightsUpload(_message.Message):
+    __slots__ = ("header", "piece")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    header: WeightsHeader
+    piece: WeightPiece
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., piece: _Optional[_Union[WeightPiece, _Mapping]] = ...) -> None: ...
+
+class WeightsPublished(_message.Message):
+    __slots__ = ("parameters", "bytes")
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    parameters: int
+    bytes: int
+    def __init__(self, parameters: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class WeightsRequest(_message.Message):
+    __slots__ = ("session", "run", "framework", "parameters", "modules", "compress")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    run: str
+    framework: str
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleInfo]
+    compress: bool
+    def __init__(self, session: _Optional[str] = ..., run: _Optional[str] = ..., framework: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., compress: _Optional[bool] = ...) -> None: ...
+
+class WeightsDownload(_message.Message):
+    __slots__ = ("plan", "piece")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    plan: WeightSync
+    piece: WeightPiece
+    def __init__(self, plan: _Optional[_Union[WeightSync, _Mapping]] = ..., piece: _Optional[_Union[WeightPiece, _Mapping]] = ...) -> None: ...
+
+class WeightSync(_message.Message):
+    __slots__ = ("baseline_run", "baseline_framework", "loaded", "no_counterpart", "unused", "bytes", "seconds", "unlisted")
+    BASELINE_RUN_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    NO_COUNTERPART_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    baseline_run: str
+    baseline_framework: str
+    loaded: _containers.RepeatedCompositeFieldContainer[LoadedWeight]
+    no_counterpart: _containers.RepeatedScalarFieldContainer[str]
+    unused: _containers.RepeatedScalarFieldContainer[str]
+    bytes: int
+    seconds: float
+    unlisted: int
+    def __init__(self, baseline_run: _Optional[str] = ..., baseline_framework: _Optional[str] = ..., loaded: _Optional[_Iterable[_Union[LoadedWeight, _Mapping]]] = ..., no_counterpart: _Optional[_Iterable[str]] = ..., unused: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., unlisted: _Optional[int] = ...) -> None: ...
+
+class LoadedWeight(_message.Message):
+    __slots__ = ("parameter", "name", "sources", "transposed", "groups", "part", "dtype", "candidate_dtype")
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPOSED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    parameter: int
+    name: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    transposed: _containers.RepeatedScalarFieldContainer[bool]
+    groups: int
+    part: int
+    dtype: DType
+    candidate_dtype: DType
+    def __init__(self, parameter: _Optional[int] = ..., name: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., transposed: _Optional[_Iterable[bool]] = ..., groups: _Optional[int] = ..., part: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., candidate_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class ZoomRequest(_message.Message):
+    __slots__ = ("session", "modules", "capture", "sketch", "every", "steps", "from_step", "bundle", "reason")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    capture: str
+    sketch: bool
+    every: int
+    steps: int
+    from_step: int
+    bundle: bool
+    reason: str
+    def __init__(self, session: _Optional[str] = ..., modules: _Optional[_Iterable[str]] = ..., capture: _Optional[str] = ..., sketch: _Optional[bool] = ..., every: _Optional[int] = ..., steps: _Optional[int] = ..., from_step: _Optional[int] = ..., bundle: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ZoomResponse(_message.Message):
+    __slots__ = ("first_step", "last_step", "runs", "id")
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    first_step: int
+    last_step: int
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    id: int
+    def __init__(self, first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., runs: _Optional[_Iterable[str]] = ..., id: _Optional[int] = ...) -> None: ...

@@ -67,6 +67,31 @@ class TwinstepStub:
                 request_serializer=twinstep_dot_v1_dot_twinstep__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.History.FromString,
                 _registered_method=True)
+        self.Zoom = channel.unary_unary(
+                '/twinstep.v1.Twinstep/Zoom',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.ZoomRequest.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.ZoomResponse.FromString,
+                _registered_method=True)
+        self.PublishWeights = channel.stream_unary(
+                '/twinstep.v1.Twinstep/PublishWeights',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsUpload.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsPublished.FromString,
+                _registered_method=True)
+        self.FetchWeights = channel.unary_stream(
+                '/twinstep.v1.Twinstep/FetchWeights',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsRequest.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsDownload.FromString,
+                _registered_method=True)
+        self.PublishBatch = channel.unary_unary(
+                '/twinstep.v1.Twinstep/PublishBatch',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.PublishedBatch.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.PublishBatchReply.FromString,
+                _registered_method=True)
+        self.GetBatch = channel.unary_unary(
+                '/twinstep.v1.Twinstep/GetBatch',
+                request_serializer=twinstep_dot_v1_dot_twinstep__pb2.BatchRequest.SerializeToString,
+                response_deserializer=twinstep_dot_v1_dot_twinstep__pb2.BatchReply.FromString,
+                _registered_method=True)
 
 
 class TwinstepServicer:
@@ -116,6 +141,44 @@ class TwinstepServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Zoom(self, request, context):
+        """Live capture control (docs/zoom-and-reproduce.md): change what every run of a session
+        captures from one step on, the same step on every rank; optionally write a reproducer
+        bundle of a module.  Authorized as Halt (the operator).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishWeights(self, request_iterator, context):
+        """Weight sync (docs/weight-sync.md): a baseline attached with share_weights=True uploads its
+        initial parameters once, in pieces; a candidate attached with init_from_baseline=True gets
+        them converted to its own names, layouts and fused modules.  Authorized as Stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishBatch(self, request, context):
+        """Batch sync (docs/records-and-batches.md): a baseline rank publishes the inputs of a step,
+        the same rank of a candidate fetches them.  Authorized as Stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TwinstepServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +211,31 @@ def add_TwinstepServicer_to_server(servicer, server):
                     servicer.GetHistory,
                     request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.HistoryRequest.FromString,
                     response_serializer=twinstep_dot_v1_dot_twinstep__pb2.History.SerializeToString,
+            ),
+            'Zoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.Zoom,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.ZoomRequest.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.ZoomResponse.SerializeToString,
+            ),
+            'PublishWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishWeights,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsUpload.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsPublished.SerializeToString,
+            ),
+            'FetchWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchWeights,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsRequest.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.WeightsDownload.SerializeToString,
+            ),
+            'PublishBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishBatch,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.PublishedBatch.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.PublishBatchReply.SerializeToString,
+            ),
+            'GetBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBatch,
+                    request_deserializer=twinstep_dot_v1_dot_twinstep__pb2.BatchRequest.FromString,
+                    response_serializer=twinstep_dot_v1_dot_twinstep__pb2.BatchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +403,141 @@ class Twinstep:
             '/twinstep.v1.Twinstep/GetHistory',
             twinstep_dot_v1_dot_twinstep__pb2.HistoryRequest.SerializeToString,
             twinstep_dot_v1_dot_twinstep__pb2.History.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Zoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinstep.v1.Twinstep/Zoom',
+            twinstep_dot_v1_dot_twinstep__pb2.ZoomRequest.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.ZoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/twinstep.v1.Twinstep/PublishWeights',
+            twinstep_dot_v1_dot_twinstep__pb2.WeightsUpload.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.WeightsPublished.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/twinstep.v1.Twinstep/FetchWeights',
+            twinstep_dot_v1_dot_twinstep__pb2.WeightsRequest.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.WeightsDownload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinstep.v1.Twinstep/PublishBatch',
+            twinstep_dot_v1_dot_twinstep__pb2.PublishedBatch.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.PublishBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinstep.v1.Twinstep/GetBatch',
+            twinstep_dot_v1_dot_twinstep__pb2.BatchRequest.SerializeToString,
+            twinstep_dot_v1_dot_twinstep__pb2.BatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Batch sync: the inputs a baseline's ranks publish per step, held for candidates (docs/records-and-batches.md)."""

@@ -1,0 +1,334 @@
+"""Live capture control of one session: zoom windows, auto-zoom after a divergence, bundles on halt.
+
+A zoom tells every run to capture some modules differently over a window of
+steps (full tensors instead of statistics, say), from one step on, the same
+step on every rank of every run.  That step is chosen ahead of every rank
+(:mod:`twinstep.server.control.steps`), so each gets the command before it
+gets there; a run that joins later is told on joining.  Three things ask
+for one:
+
+- an operator, through the Zoom RPC (``twinstep zoom``);
+- the session itself after a divergence it does not halt on, with
+  ``auto_zoom``: the divergent module and its neighbours (parent, siblings,
+  children) in full tensors for ``auto_zoom_steps`` steps, the rest in
+  statistics;
+- a halt on a divergence with ``bundle_on_halt``: every run writes a
+  reproducer bundle of the divergent module at the zoom's step, and halts
+  at the end of that step.
+
+Commands are queued to streams (never blocking); step queries are awaited on
+the asking thread (the RPC's, or a thread of its own for the session's
+decisions), never under the session's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+
+from twinstep.server.control import names as module_names
+from twinstep.server.control.steps import StepQuery
+from twinstep.server.connection import Connection
+from twinstep.v1 import twinstep_pb2 as pb
+
+if TYPE_CHECKING:
+    from twinstep.server.detect.first_divergence import Candidate
+    from twinstep.server.session import Session
+
+logger = logging.getLogger("twinstep.server")
+
+CAPTURES = ("tensors", "lossy", "stats")
+#: Windows one session remembers (the report lists them; a joining run is told the ones not yet over).
+MAX_WINDOWS = 256
+MAX_STEPS = 100_000
+_MAX_PATTERNS = 64
+_MAX_TEXT = 1000
+_MAX_STEP = 1 << 53
+
+
+class ZoomRefused(Exception):
+    """A zoom request that cannot be carried out: a status code and what to do instead."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _Window:
+    spec: pb.ZoomSpec
+    origin: str
+    per_run: dict[str, pb.ZoomSpec] = field(default_factory=dict)
+    runs: list[str] = field(default_factory=list)
+    state: str = "sent"
+
+
+class ZoomCoordinator:
+    """The zoom windows of one session, and how they are chosen and told."""
+
+    def __init__(self, session: str, timeout: float) -> None:
+        self.session = session
+        self.steps = StepQuery(timeout)
+        self._lock = threading.Lock()
+        self._windows: list[_Window] = []
+        self._next_id = 1
+        self._halting = False
+
+    # -- asked by an operator ---------------------------------------------------------------
+
+    def request(self, session: "Session", request: pb.ZoomRequest) -> pb.ZoomResponse:
+        """Carry out a Zoom RPC: raises ZoomRefused with the code and the reason."""
+        patterns = list(request.modules)
+        if not patterns:
+            raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, "which modules? give --module PATTERN (a glob over "
+                              "the baseline's module names, '' is the whole model)")
+        if len(patterns) > _MAX_PATTERNS or any(len(p) > _MAX_TEXT for p in patterns) or len(request.reason) > _MAX_TEXT:
+            raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, f"at most {_MAX_PATTERNS} module patterns and a "
+                              f"reason, each of at most {_MAX_TEXT} characters")
+        capture = request.capture or "tensors"
+        if capture not in CAPTURES:
+            raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, f"capture must be one of {', '.join(CAPTURES)}, "
+                              f"got {capture!r}")
+        steps, every = request.steps or 1, request.every or 1
+        if steps > MAX_STEPS or every > steps:
+            raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, f"steps must be 1 to {MAX_STEPS} and every at most "
+                              f"steps; got steps {steps}, every {every}")
+        bundle = ""
+        if request.bundle:
+            if len(patterns) != 1 or not patterns[0] or any(c in patterns[0] for c in "*?["):
+                raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, "a bundle is of one module: give its exact "
+                                  "name once (--module layers.1.mlp.act), not a pattern nor the whole model")
+            bundle = patterns[0]
+        if request.HasField("from_step") and not 0 <= request.from_step < _MAX_STEP:
+            raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, f"from_step must be from 0 to {_MAX_STEP - 1}, "
+                              f"got {request.from_step}")
+        conns = _open_streams(session)
+        if not conns:
+            raise ZoomRefused(grpc.StatusCode.FAILED_PRECONDITION, f"no run of session {self.session!r} is "
+                              "streaming: a zoom changes what running trainings capture")
+        reach = self.steps.reach([c for c, _ in conns])
+        first = reach.earliest
+        if request.HasField("from_step"):
+            if request.from_step < reach.earliest:
+                raise ZoomRefused(grpc.StatusCode.FAILED_PRECONDITION, (
+                    f"step {request.from_step} is too close: the furthest rank is at step {reach.furthest}, so "
+                    f"step {reach.earliest} is the earliest every rank can still apply a zoom at; ask for a later "
+                    "step, or leave --from-step out to get the earliest"))
+            first = request.from_step
+        spec = pb.ZoomSpec(modules=patterns, capture=capture, sketch=request.sketch, every=every, first_step=first,
+                           last_step=first + steps - 1, bundle_module=bundle, divergent_step=-1,
+                           reason=request.reason or "asked by an operator")
+        window = self._tell(session, spec, "operator", lambda run, spec: self._operator_spec(session, run, spec))
+        logger.info("session %s: zoom #%d %s in %s, steps %d-%d%s (runs %s)", self.session, window.spec.id,
+                    ", ".join(patterns), capture, spec.first_step, spec.last_step,
+                    f", bundle of {bundle!r}" if bundle else "", ", ".join(window.runs))
+        return pb.ZoomResponse(first_step=spec.first_step, last_step=spec.last_step, runs=window.runs,
+                               id=window.spec.id)
+
+    # -- the session's own decisions ------------------------------------------------------------
+
+    def after_divergence(self, session: "Session", found: "Candidate", steps: int) -> None:
+        """auto_zoom: full tensors of the divergent module and its neighbours, on a thread of its own."""
+        threading.Thread(target=self._safely, args=(self._auto, session, found, steps),
+                         name="twinstep-auto-zoom", daemon=True).start()
+
+    def halt_with_bundle(self, session: "Session", found: "Candidate", reason: str) -> bool:
+        """bundle_on_halt: every run writes a bundle of the divergent module, then halts; False if already halting."""
+        with self._lock:
+            if self._halting:
+                return False
+            self._halting = True
+        threading.Thread(target=self._safely, args=(self._bundle_and_halt, session, found, reason),
+                         name="twinstep-bundle-halt", daemon=True).start()
+        return True
+
+    def _auto(self, session: "Session", found: "Candidate", steps: int) -> None:
+        row, comparison = found.row, found.comparison
+        base_module = module_names.module_of(row.phase, row.name)
+        conns = _open_streams(session)
+        if not conns:
+            return
+        reach = self.steps.reach([c for c, _ in conns])
+        spec = pb.ZoomSpec(capture="tensors", every=1, first_step=reach.earliest,
+                           last_step=reach.earliest + max(steps, 1) - 1, divergent_step=comparison.step,
+                           reason=f"auto_zoom: divergence at step {comparison.step}, {row.phase} of "
+                                  f"{row.name or '(model)'!r}")
+
+        def per_run(run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+            own = _run_module(session, run, base_module, found)
+            names = _module_names(session, run)
+            out = pb.ZoomSpec()
+            out.CopyFrom(spec)
+            out.ClearField("modules")
+            out.modules.extend(module_names.escape(n) for n in module_names.neighbourhood(own, names)
+                               [:module_names.MAX_NAMES])
+            return out
+
+        baseline = session.baseline or ""
+        spec.modules.extend(module_names.escape(n) for n in module_names.neighbourhood(
+            base_module, _module_names(session, baseline))[:module_names.MAX_NAMES])
+        window = self._tell(session, spec, "auto", per_run)
+        logger.warning("session %s: auto_zoom #%d: %s in full tensors, steps %d-%d (runs %s)", self.session,
+                       window.spec.id, ", ".join(spec.modules) or "(model)", spec.first_step, spec.last_step,
+                       ", ".join(window.runs))
+
+    def _bundle_and_halt(self, session: "Session", found: "Candidate", reason: str) -> None:
+        at_step = None
+        try:
+            at_step = self._tell_bundles(session, found)
+        finally:  # whatever became of the bundles, the session halts
+            if at_step is not None:
+                reason += (f"; each run writes a reproducer bundle of the divergent module at step {at_step} "
+                           "(twinstep reproduce)")
+            session.halt(reason, at_step=at_step)
+
+    def _tell_bundles(self, session: "Session", found: "Candidate") -> int | None:
+        """Tell every run to write a bundle at a step all ranks can reach; that step (None: no bundle)."""
+        row, comparison = found.row, found.comparison
+        base_module = module_names.module_of(row.phase, row.name)
+        conns = _open_streams(session) if base_module else []  # a loss divergence has no module to bundle
+        if not conns:
+            return None
+        at_step = self.steps.reach([c for c, _ in conns]).earliest
+        spec = pb.ZoomSpec(modules=[module_names.escape(base_module)], capture="tensors", every=1,
+                           first_step=at_step, last_step=at_step, bundle_module=base_module,
+                           divergent_step=comparison.step,
+                           reason=f"reproducer bundle of the divergence at step {comparison.step}")
+
+        def per_run(run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+            own = _run_module(session, run, base_module, found)
+            out = pb.ZoomSpec()
+            out.CopyFrom(spec)
+            out.ClearField("modules")
+            out.modules.append(module_names.escape(own))
+            out.bundle_module = own
+            return out
+
+        self._tell(session, spec, "halt", per_run)
+        return at_step
+
+    # -- telling the runs -------------------------------------------------------------------------
+
+    def _tell(self, session: "Session", spec: pb.ZoomSpec, origin: str,
+              per_run: Callable[[str, pb.ZoomSpec], pb.ZoomSpec]) -> _Window:
+        with session.lock:
+            with self._lock:
+                spec.id = self._next_id
+                self._next_id += 1
+                window = _Window(spec=spec, origin=origin)
+                self._windows.append(window)
+                del self._windows[:-MAX_WINDOWS]
+            sends: list[tuple[Connection, pb.ServerMessage]] = []
+            for run in session.runs.values():
+                told = per_run(run.name, spec) if not run.baseline else spec
+                window.per_run[run.name] = told
+                message = pb.ServerMessage(command=pb.Command(kind=pb.Command.ZOOM, zoom=told, reason=spec.reason,
+                                                              at_step=spec.first_step))
+                conns = [s.connection for s in run.ranks.values() if s.connection is not None]
+                if conns:
+                    window.runs.append(run.name)
+                sends.extend((conn, message) for conn in conns)
+        for conn, message in sends:
+            conn.send(message)
+        steps = (f"step {spec.first_step}" if spec.first_step == spec.last_step
+                 else f"steps {spec.first_step}-{spec.last_step}")
+        bundle = f", a reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else ""
+        session.events.publish(pb.Event(alert=pb.AlertNotice(level="info", message=(
+            f"zoom #{spec.id} ({origin}): {', '.join(spec.modules[:8]) or '(model)'} in {spec.capture}, {steps}"
+            f"{bundle}; told: {', '.join(window.runs) or 'no run'}"))), keep=True)
+        return window
+
+    def _operator_spec(self, session: "Session", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+        """An operator's patterns, in a run's own names (see names.for_candidate)."""
+        state = session.runs[run]
+        if state.reference:
+            return spec
+        mapping = _mapping(session, run)
+        out = pb.ZoomSpec()
+        out.CopyFrom(spec)
+        out.ClearField("modules")
+        out.modules.extend(module_names.for_candidate(list(spec.modules), _module_names(session, run),
+                                                      mapping.to_baseline))
+        if spec.bundle_module:
+            out.bundle_module = _candidate_name(session, run, spec.bundle_module)
+        return out
+
+    def on_join(self, conn: Connection, run: str) -> None:
+        """A stream joined (or came back): tell it the windows of its run that are not over (caller holds the lock)."""
+        with self._lock:
+            told = [w.per_run.get(run) for w in self._windows[-16:]]
+        for spec in told:
+            if spec is not None:
+                conn.send(pb.ServerMessage(command=pb.Command(kind=pb.Command.ZOOM, zoom=spec, reason=spec.reason,
+                                                              at_step=spec.first_step)))
+
+    def ack(self, conn: Connection, ack: pb.HaltAck) -> bool:
+        """An answer to a step query (True), or to something else (a halt's)."""
+        return self.steps.ack(ack, conn.stream_id)
+
+    def to_proto(self) -> list[pb.ZoomWindow]:
+        with self._lock:
+            return [pb.ZoomWindow(spec=w.spec, origin=w.origin, runs=w.runs, state=w.state) for w in self._windows]
+
+    def _safely(self, job: Callable[..., None], *args: object) -> None:
+        try:
+            job(*args)
+        except Exception:  # a background decision must not die silently, nor take the session with it
+            logger.exception("session %s: live capture control failed", self.session)
+
+
+# -- what the coordinator reads of its session (under its lock) -----------------------------------
+
+
+def _open_streams(session: "Session") -> list[tuple[Connection, str]]:
+    with session.lock:
+        return [(s.connection, run.name) for run in session.runs.values() for s in run.ranks.values()
+                if s.connection is not None]
+
+
+def _module_names(session: "Session", run: str) -> list[str]:
+    """Every module name the run's ranks declared, in the order first produced."""
+    with session.lock:
+        state = session.runs.get(run)
+        if state is None:
+            return []
+        seen: dict[str, None] = {}
+        for rank in sorted(state.ranks):
+            for name in state.ranks[rank].manifest.module_order:
+                seen.setdefault(name, None)
+        return list(seen)
+
+
+def _mapping(session: "Session", run: str):
+    with session.lock:
+        state = session.runs[run]
+        rank = min(state.ranks) if state.ranks else 0
+        manifest = state.ranks[rank].manifest if state.ranks else None
+        if manifest is None:
+            return session.mappings.user
+        return session.mappings.for_run(run, rank, lambda: {n: t for n, t in manifest.modules.values()},
+                                        len(manifest.modules))
+
+
+def _candidate_name(session: "Session", run: str, base_name: str) -> str:
+    """The run's module its mapping pairs with the baseline's ``base_name`` (the same name when none does)."""
+    mapping = _mapping(session, run)
+    for name in _module_names(session, run):
+        if mapping.to_baseline(name) == base_name:
+            return name
+    return base_name
+
+
+def _run_module(session: "Session", run: str, base_module: str, found: "Candidate") -> str:
+    """The divergent module in ``run``'s own names."""
+    state = session.runs.get(run)
+    if state is None or state.baseline or state.reference:
+        return base_module
+    if run == found.comparison.candidate_run and found.row.candidate_name:
+        return module_names.module_of(found.row.phase, found.row.candidate_name)
+    return _candidate_name(session, run, base_module)

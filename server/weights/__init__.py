@@ -1,0 +1,1 @@
+"""Weight sync: baselines' initial parameters, held and converted for candidates (docs/weight-sync.md)."""
