@@ -134,9 +134,16 @@ def test_a_bad_bundle_is_refused_with_what_is_wrong(tmp_path, inputs, capsys):
 def test_the_baselines_parameters_carry_over_in_the_candidates_layout(tmp_path):
     """A paddle Linear whose weight drifted: on the baseline's parameters (transposed to paddle's [in, out])
     it computes what torch's does, so the verdict points at the parameters, not the code."""
+    import pickle
+
     import paddle
     import torch
 
+    try:
+        pickle.dumps(paddle.nn.Linear(2, 2))
+    except TypeError as error:  # paddle 3.0: parameters are not picklable (docs/zoom-and-reproduce.md, Limits)
+        pytest.skip(f"paddle {paddle.__version__} cannot pickle a layer with parameters ({error}): its bundles "
+                    "hold no module object and reproduce needs a factory, which the tanh-GELU test covers")
     torch.manual_seed(0)
     base_linear = torch.nn.Linear(16, 8)
     cand_linear = paddle.nn.Linear(16, 8)
