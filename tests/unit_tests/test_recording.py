@@ -218,8 +218,9 @@ def test_a_recorded_baseline_is_played_at_the_candidates_pace(recorded_pair):
         wait_for(lambda: player.waiting_for == {"a candidate"}, timeout=10)
         assert session.runs["torch"].last_step == -1  # no candidate yet: nothing fed (it would overflow the window)
         stream = RawStream(handle.address).send(hello("pair", "paddle")).send(manifest((0, "fc", "Linear")))
-        for number in range(3):
+        for number in range(3):  # a raw stream ignores credits: keep within the window of 2 as a client would
             stream.send(step(number, [(0, VALUES)]))
+            wait_for(lambda: session.runs["torch"].last_step >= number, timeout=10)
         wait_for(lambda: "paddle" in session.runs and session.runs["paddle"].last_step == 2
                  and player.waiting_for == {"credit"}, timeout=10)
         # Held back by the credit policy: window_steps ahead of the candidate, and no further.
