@@ -527,7 +527,16 @@ class _RssSampler:
 
 
 def start_server(args: tuple[str, ...], log: str) -> tuple[subprocess.Popen, str]:
-    """``twinstep serve`` in its own process on a port it binds itself; returns (process, address)."""
+    """``twinstep serve`` in its own process on a port it binds itself; returns (process, address).
+
+    Without a --config of the caller's, auto_ops is off: after the injected divergence it would ask every
+    stream for a module's operations, which these synthetic streams (no model) cannot capture; the load
+    measured is the comparison's."""
+    if not any(a.startswith("--config") for a in args):
+        config = os.path.join(os.path.dirname(log) or ".", "load_streams.server.yaml")
+        with open(config, "w") as f:
+            f.write("auto_ops: false\n")
+        args = (*args, f"--config={config}")
     with open(log, "w") as err:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "twinstep", "serve", "--host", HOST, "--port", "0", *args],
                                 stdout=subprocess.PIPE, stderr=err, text=True)

@@ -1,16 +1,22 @@
 """Localization benchmark: does twinstep name the right step, phase and module, and how fast?
 
-    python benchmarks/localization.py [--suite demo|ports|all] [--steps 20]
+    python benchmarks/localization.py [--suite demo|ports|mindspore|all] [--steps 20]
 
 Each case trains a baseline and a candidate (separate processes, real
 frameworks) against one embedded server and records: found or not, right
 step/phase/module or not, the step it was found at, and seconds from the
 jobs' start to the divergence alert.  Faithful cases count false alarms.
+
+Two more columns: "no-ref", whether the right step and phase are found with no
+reference rerun (cases run with one are run again without it: the origin
+trace-back of server/detect/origin.py), and "preflight", the categories of the
+report's preflight findings (the set-up diff before step 0; "-" for none).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -59,6 +65,17 @@ def ports_cases() -> list[Case]:
     return list(CASES)
 
 
+def mindspore_cases() -> list[Case]:
+    """transformers' Phi3 against its MindSpore port (tests/ports/mindspore_phi3.py); none without mindspore."""
+    import importlib.util
+
+    if importlib.util.find_spec("mindspore") is None:
+        return []
+    from tests.ports.corpus import MINDSPORE_CASES
+
+    return list(MINDSPORE_CASES)
+
+
 def run_case(case: Case, steps: int) -> dict:
     handle = serve(port=0, config=config_from_dict(getattr(case, "config", None) or {}))
     session = case.name.replace(" ", "-")
@@ -82,15 +99,27 @@ def run_case(case: Case, steps: int) -> dict:
     first = report["first_divergence"]
     if detected_at is None and first is not None:
         detected_at = time.monotonic() - start
+    preflight = sorted({str(f.get("category", "?")) for f in report.get("preflight") or [] if isinstance(f, dict)})
     result = {"case": case.name, "found": first is not None, "right": None, "step": None, "seconds": detected_at,
-              "false_alarm": case.expected is None and first is not None, "where": ""}
+              "false_alarm": case.expected is None and first is not None, "where": "",
+              "preflight": ",".join(preflight) or "-", "right_step_phase": None}
     if first is not None:
         result["step"] = first["step"]
         result["where"] = f"{first['phase']} {first['module']}"
         if case.expected is not None:
             step, phase, module = case.expected
-            result["right"] = (first["step"], first["phase"]) == (step, phase) and _same_module(module, first["module"])
+            result["right_step_phase"] = (first["step"], first["phase"]) == (step, phase)
+            result["right"] = result["right_step_phase"] and _same_module(module, first["module"])
     return result
+
+
+def without_reference(case: Case, steps: int, result: dict) -> str:
+    """Right step and phase with no reference rerun: "yes", "NO", or "-" for a faithful case."""
+    if case.expected is None:
+        return "-"
+    if getattr(case, "reference", False):
+        result = run_case(dataclasses.replace(case, reference=False), steps)
+    return "yes" if result["right_step_phase"] else "NO"
 
 
 def _same_module(expected: str, found: str) -> bool:
@@ -103,11 +132,12 @@ def _same_module(expected: str, found: str) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("demo", "ports", "all"), default="all")
+    parser.add_argument("--suite", choices=("demo", "ports", "mindspore", "all"), default="all")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     cases = (DEMO if args.suite in ("demo", "all") else []) + (ports_cases() if args.suite in ("ports", "all") else [])
-    print(f"{'case':<32}{'found':>6}{'right':>7}{'step':>6}{'seconds':>9}  where")
+    cases += mindspore_cases() if args.suite in ("mindspore", "all") else []
+    print(f"{'case':<32}{'found':>6}{'right':>7}{'step':>6}{'seconds':>9}{'no-ref':>8}  {'preflight':<24}where")
     false_alarms = 0
     for case in cases:
         r = run_case(case, args.steps)
@@ -116,7 +146,9 @@ def main() -> int:
         seconds = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
         step = "-" if r["step"] is None else str(r["step"])
         found = "FALSE ALARM" if r["false_alarm"] else ("yes" if r["found"] else "no")
-        print(f"{r['case']:<32}{found:>6}{right:>7}{step:>6}{seconds:>9}  {r['where']}", flush=True)
+        no_reference = without_reference(case, args.steps, r)
+        print(f"{r['case']:<32}{found:>6}{right:>7}{step:>6}{seconds:>9}{no_reference:>8}  {r['preflight']:<24}"
+              f"{r['where']}", flush=True)
     print(f"false alarms on faithful runs: {false_alarms}")
     return 0
 

@@ -28,6 +28,7 @@ from twinstep.capture.named import MAX_NAME, NamedRecords
 from twinstep.batches import BatchSync, Interrupted, PublishStats
 from twinstep.batches.autosync import mover
 from twinstep.errors import BatchSyncError, Halted
+from twinstep.setup import SetupCollector
 from twinstep.transport import ClientStats, Sender, StreamClient, StreamConfig
 from twinstep.transport.security import ClientSecurity
 from twinstep.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
@@ -63,6 +64,7 @@ class Monitor:
         sender: str = "thread",
         start_step: int = 0,
         bundle_dir: str = "twinstep-bundles",
+        optimizer: Any | None = None,
         share_weights: bool = False,
         init_from_baseline: bool = False,
         init_timeout: float = 300.0,
@@ -74,6 +76,8 @@ class Monitor:
         self.run = run
         self.rank = rank
         self.world_size = world_size
+        self.optimizer = optimizer
+        """The training's optimizer given to attach (None: not given); its set-up is sent (docs/preflight.md)."""
         self._capture = capture
         self._lockstep = lockstep
         self._lockstep_timeout = lockstep_timeout
@@ -88,6 +92,7 @@ class Monitor:
         self._bundle_dir = bundle_dir
         self._bundles_armed: list = []  # twinstep.reproduce.capture.BundleCapture of the step in progress
         self._bundles_done: list = []
+        self._ops_armed: list = []  # twinstep.capture.ops.OpsCapture of the step in progress (zoom --ops)
         self._backend = backend_for(model)
         self._find_module = module_lookup(self._backend, model)
         framework_version = self._backend.framework_version()
@@ -147,6 +152,15 @@ class Monitor:
         self._recorder = Recorder(model, self._backend, capture, host_pool_bytes=stream.max_queue_bytes,
                                   host_memory=host_memory)
         self._client.add_manifest([], self._recorder.parameter_infos)
+        # MindSpore hands gradients to the optimizer, not to the parameters: follow the optimizer's calls.
+        self._optimizer_watch = self._backend.watch_optimizer(optimizer) if optimizer is not None else None
+        if optimizer is None and capture.parameters and self._backend.framework == "mindspore":
+            logger.warning("twinstep: MindSpore keeps gradients off the parameters; pass optimizer= to attach to "
+                           "capture parameter gradients (without it, the grad phase is not recorded)")
+        # The training set-up (docs/preflight.md): sent before any step, and again when it changes.
+        self._setup = SetupCollector(model, self._backend.framework, framework_version, hello.precision, rank,
+                                     optimizer=optimizer)
+        self._send_setup(self._setup.collect)
         self._client.start()
         self._recorder.set_active(self._captures(start_step), start_step)
         self._baseline = baseline
@@ -186,19 +200,23 @@ class Monitor:
         if self._closed:
             return
         step = self._step
+        self._send_setup(self._setup.changed)  # a clip call seen in this step goes out before its records
         health = self._recorder.health
         try:
             if self._captures(step):
                 self._client.add_manifest(self._recorder.take_new_modules(), [])
-                self._client.submit(self._named.merge_into(self._recorder.finish_step(step, loss), self._backend))
+                batch = self._named.merge_into(self._recorder.finish_step(step, loss), self._backend)
+                self._client.submit(self._finish_ops(batch))
             else:
                 self._recorder.discard_step()
                 self._named.discard()
+                self._finish_ops(None)
         except Exception as error:
             health.record_step_failure(step, error)  # warned once per kind; the server is told below
             self._client.mark_missing(step, "capture_failed", describe_error(error))
             self._recorder.discard_step()
             self._named.discard()
+            self._finish_ops(None)
         changes = health.take_changes()
         if changes is not None:
             self._client.send_health(changes)
@@ -218,6 +236,20 @@ class Monitor:
                 )
                 self._lockstep = 0
             self._raise_if_halted(step)
+
+    def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """The training's optimizer (and LR scheduler), when it exists only after ``attach``: its set-up is sent.
+
+        For trainers that build the optimizer inside ``train()`` (the trainer callbacks
+        call it); a script passes ``attach(optimizer=...)`` instead.  Never raises.
+        """
+        if self._closed:
+            return
+        self.optimizer = optimizer
+        self._setup.optimizer = optimizer
+        if lr_scheduler is not None:
+            self._setup.scheduler = lr_scheduler
+        self._send_setup(self._setup.collect)
 
     def record(self, name: str, value: Any) -> None:
         """Record a named value of the step in progress: compared with the baseline's value of that name.
@@ -297,8 +329,12 @@ class Monitor:
             self._weights.close(timeout)
         self._batches.close(timeout)
         self._finish_bundles()
+        self._finish_ops(None)  # an armed capture gives the module its forward back
         self._wait_for_bundles(timeout / 2)  # a bundle asked with a halt is written before the process ends
         self._recorder.remove()
+        self._setup.close()
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.remove()
         changes = self._recorder.health.take_changes()
         if changes is not None:  # failures after the last step() (a trailing forward, say)
             self._client.send_health(changes)
@@ -328,6 +364,16 @@ class Monitor:
         """Reproducer bundles this monitor wrote (paths), when the server asked for them."""
         return [str(b.path) for b in self._bundles_done if b.path is not None]
 
+    def _send_setup(self, collect: Any) -> None:
+        """Send the set-up ``collect()`` returns (None: unchanged); a failure is a warning, never the training's."""
+        try:
+            setup = collect()
+            if setup is not None:
+                self._client.send_setup(setup)
+        except Exception as error:
+            logger.warning("twinstep: could not describe the training set-up (%s); training continues, the "
+                           "preflight diff will be missing or stale", describe_error(error))
+
     def _begin_step(self, step: int) -> None:
         """Apply the zoom windows that reach the step starting now, and arm the bundles due in it."""
         try:
@@ -339,9 +385,27 @@ class Monitor:
                                         self._bundle_about, Path(self._bundle_dir))
                 capture.arm()
                 self._bundles_armed.append(capture)
+            for spec in self._control.ops_due(step):
+                from twinstep.capture.ops import OpsCapture  # only a run asked for operations loads it
+
+                ops = OpsCapture(self._backend, self._find_module(spec.ops_module), spec.ops_module, spec, step)
+                ops.arm()
+                self._ops_armed.append(ops)
         except Exception as error:  # live capture control must never break the training
             logger.warning("twinstep: could not apply the server's capture change at step %d: %s", step,
                            describe_error(error))
+
+    def _finish_ops(self, batch: Any) -> Any:
+        """The step's operation capture (at most one goes out per step), carried by its batch."""
+        armed, self._ops_armed = self._ops_armed, []
+        for capture in armed:
+            try:
+                trace = capture.finish()
+                if batch is not None and not batch.ops:
+                    batch.ops = trace
+            except Exception as error:  # never break the training
+                logger.warning("twinstep: could not capture the operations asked for: %s", describe_error(error))
+        return batch
 
     def _finish_bundles(self) -> None:
         """The step ended: the armed bundles are written, off the training thread."""
@@ -443,9 +507,10 @@ def attach(
     sync_batches: bool | None = None,
     batch_timeout: float | None = None,
     bundle_dir: str | None = None,
+    optimizer: Any | None = None,
     config: str | None = None,
 ) -> Monitor:
-    """Attach twinstep to a ``torch.nn.Module`` or ``paddle.nn.Layer`` and start streaming.
+    """Attach twinstep to a ``torch.nn.Module``, ``paddle.nn.Layer`` or ``mindspore.nn.Cell`` and start streaming.
 
     Every argument left out (None) comes from the environment variable
     ``TWINSTEP_<NAME>`` (``TWINSTEP_SESSION``, ``TWINSTEP_CAPTURE``, ...), else
@@ -533,6 +598,14 @@ def attach(
         bundle_dir: the folder reproducer bundles are written to when the server asks
             for them (a halt with bundle_on_halt, twinstep zoom --bundle); see
             docs/zoom-and-reproduce.md.
+        optimizer: the training's optimizer (a ``torch.optim.Optimizer`` or a
+            ``paddle.optimizer.Optimizer``), an argument only (it cannot come from
+            the environment or a file).  Its class and hyper-parameters per
+            parameter group go into the run's set-up, which the server diffs
+            against the baseline's before the first step (docs/preflight.md).
+            A ``mindspore.nn.Optimizer`` is required to capture a MindSpore
+            model's parameter gradients: MindSpore passes them to the optimizer
+            call, not to the parameters (docs/mindspore.md).
         config: YAML file of settings (default ``$TWINSTEP_CONFIG``); see
             docs/zero-code.md for its shape.
 
@@ -544,8 +617,8 @@ def attach(
     and sync_batches False, batch_timeout 300 s, bundle_dir
     "twinstep-bundles".
     """
-    given = {name: value for name, value in locals().items() if name not in ("model", "config")}
-    return _attach(model, **settings.resolve(given, config=config).values)
+    given = {name: value for name, value in locals().items() if name not in settings.ARGUMENT_ONLY}
+    return _attach(model, optimizer=optimizer, **settings.resolve(given, config=config).values)
 
 
 def _attach(
@@ -585,6 +658,7 @@ def _attach(
     sync_batches: bool = False,
     batch_timeout: float = 300.0,
     bundle_dir: str = "twinstep-bundles",
+    optimizer: Any | None = None,
 ) -> Monitor:
     """``attach`` with every setting resolved (twinstep.settings): check them and start the monitor."""
     target = server
@@ -648,4 +722,5 @@ def _attach(
         sync_batches=sync_batches,
         batch_timeout=batch_timeout,
         bundle_dir=bundle_dir,
+        optimizer=optimizer,
     )

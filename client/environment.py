@@ -43,6 +43,7 @@ SUPPORTED: dict[str, Supported] = {
     "numpy": Supported("numpy", (1, 26), (3,)),
     "torch": Supported("torch", (2, 4), (2, 14)),
     "paddle": Supported("paddlepaddle", (3, 0), (3, 4)),
+    "mindspore": Supported("mindspore", (2, 7), (2, 11)),
     "grpcio": Supported("grpcio", (1, 85, 1), (2,)),
     "protobuf": Supported("protobuf", (7, 35, 1), (8,)),
     "zstandard": Supported("zstandard", (0, 22), (1,)),
@@ -91,9 +92,30 @@ def check(library: str, version: str | None = None) -> str | None:
             "capture may fail for some tensors, and the report will say where")
 
 
+def mindspore_numpy_conflict(numpy_version: str | None = None) -> str | None:
+    """A sentence when MindSpore runs with numpy 2: its 2.x wheels are built against numpy 1.x.
+
+    Measured with MindSpore 2.10.0 and numpy 2.4.6: its first operator that parses a
+    Python argument fails ("numpy.core.multiarray failed to import", then SystemError),
+    whatever twinstep does; with numpy 1.26 the same training runs.
+    """
+    version = numpy_version if numpy_version is not None else installed_version("numpy")
+    if version is None or parse_version(version) < (2,):
+        return None
+    return (f"MindSpore runs here with numpy {version}, but its wheels are built against numpy 1.x: its operators "
+            "can fail with 'numpy.core.multiarray failed to import' (SystemError); install numpy<2 "
+            "(twinstep tests MindSpore with numpy 1.26)")
+
+
 def attach_warnings(framework: str, framework_version: str) -> list[str]:
     """Every library of this process outside its tested range; each logged once per process."""
     found = []
+    conflict = mindspore_numpy_conflict() if framework == "mindspore" else None
+    if conflict is not None:
+        found.append(conflict)
+        if "mindspore-numpy" not in _warned:
+            _warned.add("mindspore-numpy")
+            logger.warning("twinstep: %s", conflict)
     for library, version in [("python", None), *((name, None) for name in _REPORTED), (framework, framework_version)]:
         if library not in SUPPORTED:
             continue

@@ -185,6 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
             path=True),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
+#: Parameters of attach that are not settings: objects of the training, never read from the environment or a file.
+ARGUMENT_ONLY = frozenset({"model", "config", "optimizer"})
 #: Keys of a config file: every setting, plus ``runs`` (a section per run name).
 FILE_KEYS = frozenset(BY_NAME) | {"runs"}
 

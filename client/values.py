@@ -1,7 +1,7 @@
 """Values a training hands to twinstep by name or as a batch, as host arrays and back.
 
 ``Monitor.record`` and ``Monitor.publish_batch`` take what a training has at
-hand: numpy arrays and scalars, torch and paddle tensors (on any device),
+hand: numpy arrays and scalars, torch, paddle and MindSpore tensors (on any device),
 python ints, floats and bools, and rectangular (nested) lists or tuples of
 them.  :func:`to_host` turns one into a :class:`HostValue`: a private copy in
 the storage layout of the wire (``twinstep.codec``), its dtype kept exactly
@@ -73,6 +73,9 @@ def to_host(value: Any) -> HostValue:
     paddle = sys.modules.get("paddle")
     if paddle is not None and isinstance(value, paddle.Tensor):
         return _from_paddle(value)
+    mindspore = sys.modules.get("mindspore")
+    if mindspore is not None and isinstance(value, mindspore.Tensor):
+        return _from_mindspore(value, mindspore)
     if isinstance(value, bool) or isinstance(value, np.bool_):
         return HostValue("bool", np.array(bool(value)))
     if isinstance(value, int) and not isinstance(value, bool):
@@ -86,7 +89,7 @@ def to_host(value: Any) -> HostValue:
     if isinstance(value, (list, tuple)):
         return _from_sequence(value)
     raise UnsupportedValue(f"cannot record a {type(value).__module__}.{type(value).__qualname__}: give a number, "
-                           "a numpy array, a torch or paddle tensor, or a (nested) list of numbers")
+                           "a numpy array, a torch, paddle or mindspore tensor, or a (nested) list of numbers")
 
 
 def _from_numpy(array: np.ndarray) -> HostValue:
@@ -161,8 +164,19 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _from_mindspore(tensor: Any, mindspore: Any) -> HostValue:
+    if tensor.dtype == mindspore.bfloat16:  # numpy has no bfloat16: widened exactly, then its upper 16 bits
+        bits = (tensor.astype(mindspore.float32).asnumpy().view(np.uint32) >> 16).astype(np.uint16)
+        return HostValue("bfloat16", bits.view(np.int16).copy())
+    array = tensor.asnumpy()  # a view of a CPU tensor's memory: copied below
+    name = _NUMPY_NAMES.get(array.dtype.name)
+    if name is None:
+        raise UnsupportedValue(f"mindspore tensors of dtype {tensor.dtype} have no twinstep dtype; cast it first")
+    return HostValue(name, np.array(array, order="C", copy=True))
+
+
 def to_framework(value: HostValue, framework: str) -> Any:
-    """The value as a host tensor of ``framework`` ("torch", "paddle" or "numpy"), in its own dtype."""
+    """The value as a host tensor of ``framework`` ("torch", "paddle", "mindspore" or "numpy"), in its own dtype."""
     if framework == "torch":
         import torch
 
@@ -175,9 +189,15 @@ def to_framework(value: HostValue, framework: str) -> Any:
         if value.dtype == "bfloat16":  # widened exactly, then narrowed without rounding
             return paddle.to_tensor(bfloat16_to_float32(value.storage), dtype="bfloat16", place=paddle.CPUPlace())
         return paddle.to_tensor(value.storage, dtype=value.dtype, place=paddle.CPUPlace())
+    if framework == "mindspore":
+        import mindspore
+
+        if value.dtype == "bfloat16":  # widened exactly, then narrowed without rounding
+            return mindspore.Tensor(bfloat16_to_float32(value.storage)).astype(mindspore.bfloat16)
+        return mindspore.Tensor(value.storage.copy())
     if framework == "numpy":
         return bfloat16_to_float32(value.storage) if value.dtype == "bfloat16" else value.storage.copy()
-    raise ValueError(f"unknown framework {framework!r} (torch, paddle or numpy)")
+    raise ValueError(f"unknown framework {framework!r} (torch, paddle, mindspore or numpy)")
 
 
 #: Elements widened to float64 at a time by statistics_row (8 MiB of temporaries, whatever the value's size).

@@ -97,6 +97,15 @@ class ServerConfig:
     children) from every run, the same steps on every rank; the rest stays as attached."""
     auto_zoom_steps: int = 3
     """Steps an auto_zoom lasts."""
+    trace_origins: bool = True
+    """Trace a divergence back to the step that caused it with no reference run (docs/origin.md): an update (or a
+    parameter-free module) whose error stands clearly over what a faithful float32 pair shows, and grows, is named
+    as the origin even while under every tolerance.  Its floors were calibrated on float32 ports; false turns it off."""
+    auto_ops: bool = True
+    """After a divergence the session does not halt on, whose culprit is a module's own code (its output differs
+    while its input and hooked children match, or a module's input differs while its siblings before it match):
+    every run captures that module's operations in one call at one step all ranks can reach, and the report names
+    the first operation that differs and its line (docs/operations.md).  One module, one step: cheap."""
     bundle_on_halt: bool = False
     """With halt_on_divergence: before halting, every run writes a reproducer bundle of the divergent module
     (its inputs, parameters and output) at one step every rank can still reach, and halts at the end of that
@@ -132,6 +141,8 @@ class ServerConfig:
 _KEYS = {"window_steps", "window_bytes", "halt_on_divergence", "halt_after_gap", "halt_prepare_timeout", "tolerances", "mapping", "mapping_file", "layer_mapping_file", "max_workers", "max_message_bytes", "noise_multiple", "noise_floor", "drift_window", "auto_mapping", "max_sessions", "max_runs_per_session", "memory_budget_bytes", "journal", "journal_sync", "session_ttl", "resume_grace", "max_archived", "max_inflight_steps", "reconnect_grace", "history_steps", "history_rows", "webhooks", "weights_budget_bytes", "batch_buffer_bytes", "batch_max_bytes", "auto_zoom", "auto_zoom_steps", "bundle_on_halt"}
 
 _KEYS |= {"record", "record_budget", "replay"}  # record and replay (docs/recording.md)
+_KEYS |= {"auto_ops"}  # operations inside a module (docs/operations.md)
+_KEYS |= {"trace_origins"}  # a divergence traced back to its origin (docs/origin.md)
 
 
 def load_config(path: str | pathlib.Path) -> ServerConfig:
@@ -180,7 +191,8 @@ def config_from_dict(data: Any, base_dir: pathlib.Path = pathlib.Path("."), wher
     kwargs.update(_record_options(data, base_dir, where))
     if "webhooks" in data:
         kwargs["webhooks"] = webhooks_from_list(data["webhooks"], f"{where}: webhooks")
-    for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping", "auto_zoom", "bundle_on_halt"):
+    for key in ("halt_on_divergence", "halt_after_gap", "auto_mapping", "auto_zoom", "bundle_on_halt", "auto_ops",
+                "trace_origins"):
         if key in data:
             if not isinstance(data[key], bool):
                 raise ValueError(f"{where}: {key} must be true or false")

@@ -27,7 +27,7 @@ from twinstep.server.report.builder import build_report
 from twinstep.server.session import Session
 from twinstep.v1 import twinstep_pb2 as pb
 
-Message = Union[pb.Hello, pb.Manifest, pb.CaptureHealth, ReceivedPiece, pb.StepRecords, pb.Close]
+Message = Union[pb.Hello, pb.Manifest, pb.CaptureHealth, pb.Setup, ReceivedPiece, pb.StepRecords, pb.Close]
 """What a recorded stream holds after its first Hello (a later Hello: the rank reconnected)."""
 
 
@@ -92,6 +92,8 @@ def _feed(target: Session, conn: Connection, message: Message, progress: _Progre
         target.add_manifest(conn, message)
     elif isinstance(message, pb.CaptureHealth):
         target.add_health(conn, message)
+    elif isinstance(message, pb.Setup):
+        target.add_setup(conn, message)
     elif isinstance(message, pb.Close):
         target.close_stream(conn, message)
         progress.closed = True

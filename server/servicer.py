@@ -89,6 +89,8 @@ class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc
                     session.add_step(conn, message.step)
                 elif kind == "health":
                     session.add_health(conn, message.health)
+                elif kind == "setup":
+                    session.add_setup(conn, message.setup)
                 elif kind == "halt_ack":
                     session.halt_ack(conn, message.halt_ack)
                 elif kind == "close":

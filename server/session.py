@@ -36,9 +36,11 @@ from twinstep.server.compare.lossy import lossy_bounds
 from twinstep.server.compare.mapping_resolver import MappingResolver
 from twinstep.server.compare.plan import PlanCache
 from twinstep.server.control import TensorStepLedger, ZoomCoordinator
+from twinstep.server.ops import OperationsInspector
+from twinstep.server.ops.target import ops_target
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
-from twinstep.server.detect.coverage import coverage_problems, describe_coverage, describe_failure
+from twinstep.server.detect.coverage import candidate_verdict, coverage_problems, describe_coverage, describe_failure
 from twinstep.server.detect.coverage import failure_kinds as _failure_kinds
 from twinstep.server.detect.drift import LongRunTracker
 from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
@@ -52,7 +54,8 @@ from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.decode import decode_step
 from twinstep.server.journal.entries import Kind, leave_header
 from twinstep.server.journal.store import NoJournal, SessionJournal
-from twinstep.server.report.snapshot import SessionSnapshot
+from twinstep.server.preflight import PreflightTracker, check_setup
+from twinstep.server.report.snapshot import CandidateSnapshot, SessionSnapshot
 from twinstep.server.runs.credits import credit_updates
 from twinstep.server.runs.halt import HaltCoordinator, halt_command
 from twinstep.server.view.history import SessionHistory
@@ -91,7 +94,7 @@ class Session:
         self.plans = PlanCache()
         self.coverage = CoverageLedger()
         self.aligners: dict[int, RankAligner] = {}
-        self.tracker = FirstDivergenceTracker()
+        self.tracker = FirstDivergenceTracker(trace_origins=config.trace_origins, tolerances=config.tolerances)
         self.noise = NoiseBands(config.noise_multiple, config.noise_floor)
         self.long_run = LongRunTracker(config.drift_window)
         self.headroom = HeadroomTracker()
@@ -104,7 +107,11 @@ class Session:
         self.batches = BatchBuffer(config.batch_buffer_bytes)
         """Batches the baseline published for candidates (batch sync; its own lock, not journaled)."""
         self.zooms = ZoomCoordinator(name, config.halt_prepare_timeout)
+        self.operations = OperationsInspector(config.tolerances)
+        """Operations inside a module: captures kept until both sides are in, and the findings (twinstep.server.ops)."""
         """Live capture control: zoom windows, auto_zoom, reproducer bundles on halt (twinstep.server.control)."""
+        self.preflight = PreflightTracker()
+        """The runs' training set-ups and the differences found between them (twinstep.server.preflight)."""
         self.tensor_steps = TensorStepLedger()
         """Which compared steps carried full tensors, per candidate rank (what a zoom really brought)."""
         self.errors: list[str] = []
@@ -171,7 +178,8 @@ class Session:
             # Queued under the lock: no credit (another stream's step may compute one) can overtake it.
             conn.send(pb.ServerMessage(welcome=welcome))
             self.zooms.on_join(conn, hello.run)  # zoom windows of its run that are not over yet
-            halted, reason = self.halting.halted, self.halting.reason
+            reason = self.halting.reason_for(hello.run)  # the session's halt, or its run's alone
+            halted = reason is not None
         logger.info("session %s: run %r rank %d joined (%s %s)", self.name, hello.run, hello.rank, hello.framework,
                     hello.framework_version)
         for warning in hello.warnings[:MAX_WARNINGS]:
@@ -305,6 +313,27 @@ class Session:
         self._update_credits(conn.rank)  # steps said missing move this run along, as delivered ones do
         self._publish_progress(force=True)
 
+    def add_setup(self, conn: Connection, setup: pb.Setup) -> None:
+        """A run's training set-up (docs/preflight.md): diffed against the baseline's, new differences alerted."""
+        check_setup(setup)
+        if setup.rank != conn.rank:
+            raise invalid(f"setup says rank {setup.rank}, but this stream joined as rank {conn.rank}")
+        with self.lock:
+            self.members.rank_of(conn)
+            self._journal(Kind.SETUP, conn, setup.SerializeToString())
+            if self.preflight.add(conn.run or "", setup):
+                self._refresh_preflight()
+
+    def _refresh_preflight(self) -> None:
+        """Diff every candidate's set-up again; alert the warnings not told yet (caller holds the lock)."""
+        news = self.preflight.refresh(self.baseline, self.candidates, self.mappings.for_names)
+        for finding in news[:MAX_WARNINGS]:
+            self._alert("warning", f"run {finding.candidate_run!r}: preflight: {finding.message}", kind="preflight",
+                        run=finding.candidate_run)
+        if len(news) > MAX_WARNINGS:
+            self._alert("warning", f"preflight: {len(news) - MAX_WARNINGS} more set-up differences: see the report",
+                        kind="preflight")
+
     def add_step(self, conn: Connection, message: pb.StepRecords) -> None:
         if message.rank != conn.rank:
             raise invalid(f"step {message.step} says rank {message.rank}, but this stream joined as rank {conn.rank}")
@@ -321,6 +350,7 @@ class Session:
                 return
             pieces = conn.pieces.received() if self._journaled else ()
             data = decode_step(message, rank_state.manifest, conn.pieces)
+            ops_found = self._operations_of(conn, message) if message.HasField("ops") else []
             # Committed before anything can acknowledge it (credits are computed under this lock).
             self._journal_step(conn, message, pieces)
             self._delivered(conn, rank_state, data.step, message)
@@ -337,8 +367,21 @@ class Session:
             self._run_deferred(conn.rank)
             declared = self._declare()
         self._announce(declared)
+        for finding in ops_found:
+            self._alert("warning" if finding.status == "found" else "info", f"operations: {finding.message}",
+                        kind="operations", run=finding.candidate_run, rank=finding.rank)
         self._update_credits(conn.rank)
         self._publish_progress()
+
+    def _operations_of(self, conn: Connection, message: pb.StepRecords) -> list[pb.OperationFinding]:
+        """A step's operation capture (twinstep.server.ops); a malformed one is the session's error, the step goes on."""
+        try:
+            return self.operations.add(message.ops, conn.run or "", conn.rank, message.step, self.baseline,
+                                       list(self.candidates))
+        except InputError as bad:
+            self._error(f"run {conn.run!r} rank {conn.rank}: its capture of operations was refused ({bad.message}); "
+                        "the step's records are compared as usual")
+            return []
 
     def _delivered(self, conn: Connection, rank_state: RankState, step: int, message: pb.StepRecords) -> None:
         rank_state.last_heard = self.last_active = time.monotonic()
@@ -389,6 +432,7 @@ class Session:
                                   _forward_names(comparison.unmatched_candidate))
             ctx.mapping = self._mapping_for(candidate_run, cand_step.rank)
             comparison = compare_step(base_step, cand_step, ctx)
+            self._refresh_preflight()  # modules matched automatically pair more hyper-parameters
         if not cand_run.reference:
             self.named_records.add(comparison, base_step, cand_step)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
@@ -497,6 +541,9 @@ class Session:
             if not self.config.halt_on_divergence:
                 if self.config.auto_zoom and not self.replaying:
                     self.zooms.after_divergence(self, found, self.config.auto_zoom_steps)
+                target = ops_target(found) if self.config.auto_ops and not self.replaying else None
+                if target is not None:
+                    self.zooms.ops_after_divergence(self, found, *target)
                 continue
             if found.after_gap and not self.config.halt_after_gap:
                 self._alert("warning", f"not halting on the {where}{gap}: halt_after_gap is off, so the "
@@ -505,7 +552,30 @@ class Session:
             if self.config.bundle_on_halt and not self.replaying and self.zooms.halt_with_bundle(self, found,
                                                                                                   where + gap):
                 continue  # it halts once every run is told where to write its bundle
+            if self._halt_alone(comparison.candidate_run, where + gap):
+                continue  # other candidates are within tolerance: the baseline goes on for them
             self.halt(where + gap)
+
+    def _halt_alone(self, candidate: str, reason: str) -> bool:
+        """Halt only ``candidate`` while another candidate still needs the baseline; False: halt all.
+
+        Another candidate needs the baseline while it has not diverged and either streams or is
+        ahead of the baseline (its comparison is not over).  With one candidate this is never
+        the case, so a session halts whole at its first divergence, as it always did.  With
+        several, each candidate stops at its own first divergence, and the baseline (and
+        references) at the last one's, or at their end.
+        """
+        with self.lock:
+            base = self.runs.get(self.baseline or "")
+            healthy = [name for name in self.candidates if name != candidate and name not in self.tracker.declared
+                       and (self.runs[name].state not in ENDED
+                            or (base is not None and base.last_step < self.runs[name].last_step))]
+            if not healthy:
+                return False
+            run = self.runs[candidate]
+            conns = [] if self.replaying else [s.connection for s in run.ranks.values() if s.connection is not None]
+        self.halting.halt_one_run(candidate, run.world_size, conns, f"run {candidate!r}: {reason}")
+        return True
 
     def _ended_verdict(self) -> tuple[str, str] | None:
         """Once, when the last run ends without a divergence: the verdict and its reasons (caller holds the lock)."""
@@ -618,10 +688,12 @@ class Session:
         ``diverged`` as soon as a first divergence is declared.  Once every run
         has ended: ``aligned`` only when something was compared and nothing
         went missing; otherwise ``incomplete``, with the reasons.  A session
-        never stays ``running`` after its runs have ended.
+        never stays ``running`` after its runs have ended.  With several
+        candidates: ``diverged`` when any candidate diverged; each
+        candidate's own verdict is in its report section (candidate_verdict).
         """
         with self.lock:
-            reasons = coverage_problems(self)
+            reasons = coverage_problems(self, halted_runs=self.halting.runs_halted)
             if self.tracker.first() is not None:
                 return "diverged", reasons
             if not self.members.all_ended():
@@ -665,7 +737,23 @@ class Session:
                 batch_sync=_batch_sync(self.batches),
                 zooms=tuple(self.zooms.to_proto()),
                 tensor_steps=tuple(self.tensor_steps.to_proto()),
+                operations=tuple(self.operations.to_proto()),
+                preflight=tuple(self.preflight.to_proto(self.candidates)),
+                candidates=tuple(self._candidate_snapshot(run, coverage[run].summary) for run in self.candidates),
             )
+
+    def _candidate_snapshot(self, candidate: str, coverage: str) -> CandidateSnapshot:
+        """One candidate's section of the report (caller holds the lock)."""
+        first = self.tracker.declared.get(candidate)
+        halted_runs = self.halting.runs_halted
+        status, reasons = candidate_verdict(self, candidate, first is not None, halted_runs)
+        run = self.runs[candidate]
+        world = min(run.world_size, self.runs[self.baseline].world_size) if self.baseline in self.runs else 1
+        return CandidateSnapshot(
+            run=candidate, framework=run.framework, status=status, status_reasons=tuple(reasons),
+            halted=self.halting.halted or candidate in halted_runs,
+            steps_compared=self.tracker.steps_compared_on_every_rank(candidate, world), first=first,
+            last_comparison=self.tracker.last.get(candidate), coverage=coverage)
 
     # -- journal ---------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ class AutoAttach:
         taken = self._steps_taken.get(optimizer, 0)
         resolved["start_step"] += taken  # an optimizer created after the first forward: those steps were missed
         try:
-            self.monitor = attach(model, **resolved)
+            self.monitor = attach(model, optimizer=optimizer, **resolved)
         except Exception as error:
             self.give_up(f"attach failed: {error}")
             return

@@ -1,8 +1,8 @@
 """Capture: hooks inside the training process that turn tensors into records.
 
-Framework backends live in ``capture/torch`` and ``capture/paddle``; they are
-imported only when a model of that framework is attached, so a torch job never
-imports paddle and vice versa.
+Framework backends live in ``capture/torch``, ``capture/paddle`` and
+``capture/mindspore``; each is imported only when a model of its framework is
+attached, so a torch job never imports paddle or MindSpore and vice versa.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from twinstep.capture.recorder import CaptureConfig, Recorder, StepBatch
 __all__ = ["CaptureBackend", "CaptureConfig", "Recorder", "StepBatch", "backend_for", "FRAMEWORKS"]
 
 #: Frameworks with a capture backend.
-FRAMEWORKS = frozenset({"torch", "paddle"})
+FRAMEWORKS = frozenset({"torch", "paddle", "mindspore"})
 
 
 def backend_for(model: Any) -> CaptureBackend:
@@ -35,7 +35,14 @@ def backend_for(model: Any) -> CaptureBackend:
             from twinstep.capture.paddle import PaddleBackend
 
             return PaddleBackend()
+    if "mindspore" in sys.modules:
+        import mindspore
+
+        if isinstance(model, mindspore.nn.Cell):
+            from twinstep.capture.mindspore import MindSporeBackend
+
+            return MindSporeBackend()
     raise TypeError(
         f"twinstep cannot attach to {type(model).__module__}.{type(model).__name__}: "
-        f"expected a torch.nn.Module or a paddle.nn.Layer (supported: {sorted(FRAMEWORKS)})"
+        f"expected a torch.nn.Module, a paddle.nn.Layer or a mindspore.nn.Cell (supported: {sorted(FRAMEWORKS)})"
     )

@@ -176,6 +176,13 @@ class CaptureBackend(ABC):
     def make_sketcher(self, spec: Any) -> Any:
         """A device sketcher (twinstep.capture.<framework>.sketch) for :class:`twinstep.sketch.SketchSpec` ``spec``."""
 
+    def watch_optimizer(self, optimizer: Any) -> RemovableHandle | None:
+        """Follow the optimizer where a framework keeps gradients off the parameters (MindSpore).
+
+        None: :meth:`grad` reads the parameter itself (torch, paddle).
+        """
+        return None
+
     def float32_matmul_precision(self) -> str:
         """"tf32" when float32 matrix products run on TF32 tensor cores, else "fp32"."""
         return "fp32"

@@ -8,7 +8,9 @@ full tensors or sketches (:class:`StepZoom`, read by the recorder's hooks).
 A zoom that arrives after its first step has begun applies from the next
 step, with one warning; the server's report shows the steps that really
 carried full tensors.  A window's ``bundle_module`` asks for a reproducer
-bundle of that module at the window's first step (twinstep.reproduce).
+bundle of that module at the window's first step (twinstep.reproduce); its
+``ops_module``, that module's operations in its first call of that step
+(twinstep.capture.ops).
 
 What a run attached with ``capture="stats"`` can switch to: full tensors
 (lossless: a stats run has no error budget, so "lossy" is sent lossless) and
@@ -74,6 +76,7 @@ class CaptureControl:
         self._lock = threading.Lock()
         self._windows: dict[int, pb.ZoomSpec] = {}
         self._bundles: dict[int, pb.ZoomSpec] = {}  # bundles asked for and not yet armed, by window id
+        self._ops: dict[int, pb.ZoomSpec] = {}  # operation captures asked for and not yet armed, by window id
         self._seen: set[int] = set()
 
     def add(self, spec: pb.ZoomSpec) -> None:
@@ -90,6 +93,8 @@ class CaptureControl:
                 del self._windows[min(self._windows)]
             if spec.bundle_module:
                 self._bundles[spec.id] = spec
+            if spec.ops_module:
+                self._ops[spec.id] = spec
         late = spec.first_step <= now
         logger.warning(
             "twinstep: run %r rank %d: zoom #%d from the server: %s in %s, steps %d-%d%s%s", self.run, self.rank,
@@ -112,7 +117,8 @@ class CaptureControl:
             return None
         windows = self._applying(step)
         with self._lock:  # windows over for good are forgotten
-            for key in [k for k, w in self._windows.items() if w.last_step < step and k not in self._bundles]:
+            for key in [k for k, w in self._windows.items()
+                        if w.last_step < step and k not in self._bundles and k not in self._ops]:
                 del self._windows[key]
         return StepZoom(windows) if windows else None
 
@@ -124,6 +130,17 @@ class CaptureControl:
             due = [spec for spec in self._bundles.values() if spec.first_step <= step]
             for spec in due:
                 del self._bundles[spec.id]
+        return due
+
+
+    def ops_due(self, step: int) -> list[pb.ZoomSpec]:
+        """Operation captures to arm in the step starting now (asked for it, or for a step that had begun: late)."""
+        if not self._ops:
+            return []
+        with self._lock:
+            due = [spec for spec in self._ops.values() if spec.first_step <= step]
+            for spec in due:
+                del self._ops[spec.id]
         return due
 
 

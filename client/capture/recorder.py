@@ -183,6 +183,8 @@ class StepBatch:
     """What capturing this step read (twinstep.capture.recorder.CaptureCost)."""
     record_names: list[str] = field(default_factory=list)
     """Names of the step's named records (phase RECORD; twinstep.capture.named): their targets index it."""
+    ops: bytes = b""
+    """A serialized OpTrace: one module's operations, when a zoom asked (twinstep.capture.ops)."""
 
     def dims_of(self, record: int) -> tuple[int, ...]:
         """The shape of one record (dims are stored flat, ndim[i] at a time)."""
@@ -197,7 +199,7 @@ class StepBatch:
             size += self.sketches.nbytes
         for host in self.tensors:
             size += host.nbytes
-        return size
+        return size + len(self.ops)
 
 
 class _StepBuffer:

@@ -38,6 +38,8 @@ EXAMPLES: dict[str, str] = {
   twinstep demo                                    # a porting bug found, both jobs halted
   twinstep demo --no-bug --steps 50                # a faithful port: aligned
   twinstep demo --bug lr --capture tensors
+  twinstep demo --candidate mindspore               # a MindSpore port (pip install mindspore; numpy<2)
+  twinstep demo --candidate paddle,mindspore --no-bug  # three-way: both ports against one torch baseline
   twinstep demo --http-port 8080                   # watch it in the dashboard (stays up on a terminal until Ctrl-C)""",
 }
 

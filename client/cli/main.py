@@ -131,10 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     _server_arg(halt)
     halt.add_argument("--reason", default="halted by an operator")
 
-    demo = sub.add_parser("demo", help="torch baseline vs paddle port, live, with an embedded server")
+    demo = sub.add_parser("demo", help="torch baseline vs paddle (or MindSpore) port, live, with an embedded server")
     bug = demo.add_mutually_exclusive_group()
-    bug.add_argument("--bug", choices=("gelu_tanh", "lr"), default="gelu_tanh", help="porting bug in the paddle job (default %(default)s)")
+    bug.add_argument("--bug", choices=("gelu_tanh", "lr"), default="gelu_tanh",
+                     help="porting bug in the candidate jobs (default %(default)s)")
     bug.add_argument("--no-bug", action="store_true", help="a faithful port: stays aligned")
+    demo.add_argument("--candidate", default="paddle", metavar="FRAMEWORKS",
+                      help="the port(s) judged against the torch baseline: paddle (default), mindspore, or both "
+                           "comma-separated (paddle,mindspore: a three-way session)")
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--capture", choices=("stats", "tensors"), default="stats")
     demo.add_argument("--http-port", type=int, metavar="PORT",
@@ -352,7 +356,7 @@ def _demo(args: argparse.Namespace) -> int:
     from twinstep.demo.run import run_demo
 
     return run_demo(bug=None if args.no_bug else args.bug, steps=args.steps, capture=args.capture,
-                    http_port=args.http_port)
+                    http_port=args.http_port, candidates=args.candidate)
 
 
 if __name__ == "__main__":

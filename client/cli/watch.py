@@ -6,12 +6,15 @@ worst error over tolerance of its latest compared step in each stage
 (forward, loss, backward, grad, param); the first divergence once it is
 declared; the latest halts and alerts.  When stdout is not a terminal (a pipe,
 a log file, CI), or with ``--plain``, one line per event as before (the
-format tests and scripts read: :func:`format_event`).
+format tests and scripts read: :func:`format_event`).  Once every run has
+ended, one line per candidate with its own verdict (:func:`verdict_lines`):
+with several candidates (three-way sessions), each has its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -21,17 +24,34 @@ from dataclasses import dataclass, field
 from twinstep.phases import STEP_ORDER
 from twinstep.v1 import twinstep_pb2 as pb
 
+logger = logging.getLogger("twinstep")
+
 EXAMPLES = """\
 examples:
   twinstep watch demo                              # until every run of session 'demo' has ended
   twinstep watch demo --server 10.0.0.5:50051 --follow
   twinstep watch demo --plain | tee demo.log       # one line per event (also whenever stdout is not a terminal)
+  twinstep watch port --plain                      # several candidates: one VERDICT line each at the end
 """
 
 _ENDED = ("finished", "halted", "lost")
 _RATE_WINDOW = 10.0
 _KEPT_NOTICES = 8
+_REPORT_TIMEOUT = 10.0
 
+
+
+def origin_words(d: pb.Divergence) -> list[str]:
+    """A divergence traced back to its origin: where its error first crossed a tolerance ([] otherwise)."""
+    if not d.HasField("origin"):
+        return []
+    if not d.HasField("crossed"):
+        return [f"traced back to its origin ({d.origin.rule}, {d.origin.ratio:.0f}x a faithful floor); "
+                "no tolerance crossed yet"]
+    c = d.crossed
+    return [f"traced back to its origin ({d.origin.rule}, {d.origin.ratio:.0f}x a faithful floor); first crossed "
+            f"a tolerance at step {c.step}, {c.phase} of {c.module or '(model)'!r}: {c.metric} {c.value:.3g} > "
+            f"{c.tolerance:.3g}"]
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from twinstep.cli.main import _server_arg
@@ -56,14 +76,53 @@ def run(args: argparse.Namespace) -> int:
     with _Client(args) as client:
         events = client.stub.Watch(pb.WatchRequest(session=args.session), metadata=client.metadata)
         if live:
-            return LiveView(args.session, args.server).follow(events, args.follow)
+            LiveView(args.session, args.server).follow(events, args.follow)
+            for line in verdict_lines(args.session, _final_report(client, args.session)):
+                print(line, flush=True)
+            return 0
         for event in events:
             line = format_event(event)
             if line:
                 print(line, flush=True)
             if not args.follow and event.WhichOneof("body") == "progress" and all_ended(event.progress):
+                for line in verdict_lines(args.session, _final_report(client, args.session)):
+                    print(line, flush=True)
                 return 0
     return 0
+
+
+def _final_report(client, session: str) -> pb.Report | None:
+    """The session's report once its runs have ended (None, with a warning, when the server cannot say)."""
+    import grpc
+
+    try:
+        return client.stub.GetReport(pb.ReportRequest(session=session), timeout=_REPORT_TIMEOUT,
+                                     metadata=client.metadata)
+    except grpc.RpcError as e:
+        logger.warning("twinstep watch: no final verdict per candidate (GetReport: %s); "
+                       "run `twinstep report %s` for it", e.code().name, session)
+        return None
+
+
+def verdict_lines(session: str, report: pb.Report | None) -> list[str]:
+    """One line per candidate: its own verdict against the baseline, and where it diverged first."""
+    if report is None:
+        return []
+    lines = []
+    for c in report.candidates:
+        line = f"[{session}] VERDICT candidate {c.candidate_run!r} ({c.framework}): {c.status.upper()}"
+        if c.HasField("first_divergence"):
+            d = c.first_divergence
+            line += f" at step {d.step} rank {d.rank}, {d.phase} of {d.module or '(model)'!r}"
+        else:
+            line += f" over {c.steps_compared} compared step(s)"
+        if c.halted:
+            line += " (halted)"
+        if c.status == "incomplete" and c.status_reasons:
+            line += f": {c.status_reasons[0]}" + (f" (and {len(c.status_reasons) - 1} more)"
+                                                   if len(c.status_reasons) > 1 else "")
+        lines.append(line)
+    return lines
 
 
 def all_ended(progress: pb.Progress) -> bool:
@@ -87,6 +146,7 @@ def format_event(event: pb.Event) -> str:
             f"[{event.session}] DIVERGENCE run {d.candidate_run!r} step {d.step} rank {d.rank} {d.phase} "
             f"{d.module or '(model)'!r}: {d.metric} {d.value:.3g} > {d.tolerance:.3g}"
             + (f"\n[{event.session}]   stage: {d.stage}" if d.stage else "")
+            + "".join(f"\n[{event.session}]   {line}" for line in origin_words(d))
             + (f"\n[{event.session}]   AFTER A GAP (earliest among compared steps; not compared: {d.gaps_summary})"
                if d.after_gap else "")
         )
@@ -225,6 +285,7 @@ class LiveView:
                 f" (candidate {d.candidate_module!r})" if d.candidate_module and d.candidate_module != d.module else "",
                 f"\n{d.metric} {d.value:.3g} > tolerance {d.tolerance:.3g}",
                 f"\nstage: {d.stage}" if d.stage else "",
+                "".join(f"\n{line}" for line in origin_words(d)),
                 (f"\nafter a gap: not compared {d.gaps_summary}", "yellow") if d.after_gap else "")
             parts.append(Panel(text, title="DIVERGENCE", title_align="left", border_style="red"))
 

@@ -3,7 +3,9 @@
 The server picks (or checks) a step every rank of every run can still reach,
 and tells each run to capture the matching modules as asked from that step
 for ``--steps`` steps, then go back.  ``--bundle`` also has every run write a
-reproducer bundle of the module at that step (twinstep reproduce).
+reproducer bundle of the module at that step (twinstep reproduce); ``--ops
+MODULE`` has every run capture that module's operations in its first call at
+that step, and the report names the first that differs (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ examples:
   twinstep zoom demo --module 'layers.1.*' --steps 10 --every 2 --from-step 40
   twinstep zoom demo --module layers.1.mlp.act --bundle              # and a reproducer bundle from every run
   twinstep zoom demo --module 'layers.*.attn' --capture stats --sketch --steps 5 --token $OPERATOR_TOKEN
+  twinstep zoom demo --ops layers.0.attn                            # which operation of its forward differs
+  twinstep zoom demo --ops layers.1 --capture stats --from-step 40  # statistics of each operation only
 
 The report (twinstep report SESSION) lists each zoom and the steps each candidate rank compared
 with full tensors.  See docs/zoom-and-reproduce.md.
@@ -37,8 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "steps, then as attached again. Needs the operator token when the server has tokens.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("session")
-    parser.add_argument("--module", action="append", required=True, metavar="PATTERN",
+    parser.add_argument("--module", action="append", default=[], metavar="PATTERN",
                         help="glob over the baseline's module names ('' is the whole model); repeatable")
+    parser.add_argument("--ops", default="", metavar="MODULE",
+                        help="also capture this module's operations (its exact baseline name) in its first call at "
+                             "the first step, in every run, and compare them: the report names the first operation "
+                             "that differs and its source line (with --capture tensors, the default, their values "
+                             "too)")
     parser.add_argument("--capture", choices=("tensors", "lossy", "stats"), default="tensors",
                         help="what those modules send (default %(default)s; lossy is sent lossless by a run not "
                              "attached with capture='lossy')")
@@ -62,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.every < 1:
         raise ValueError("--steps and --every must be at least 1")
+    if not args.module and not args.ops:
+        raise ValueError("which modules? give --module PATTERN (repeatable) or --ops MODULE")
     request = pb.ZoomRequest(session=args.session, modules=args.module, capture=args.capture, sketch=args.sketch,
-                             steps=args.steps, every=args.every, bundle=args.bundle, reason=args.reason)
+                             steps=args.steps, every=args.every, bundle=args.bundle, reason=args.reason,
+                             ops_module=args.ops)
     if args.from_step is not None:
         request.from_step = args.from_step
     with _Client(args) as client:
@@ -72,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
              else f"steps {response.first_step}-{response.last_step}")
     every = f", every {args.every}" if args.every > 1 else ""
     bundle = "; every run writes a reproducer bundle into its bundle_dir" if args.bundle else ""
-    print(f"zoom #{response.id}: {', '.join(args.module)} in {args.capture}{' + sketch' if args.sketch else ''}, "
+    if args.ops:
+        bundle += f"; every run captures the operations of {args.ops!r} (twinstep report {args.session})"
+    print(f"zoom #{response.id}: {', '.join(args.module) or '(no module in full)'} in {args.capture}{' + sketch' if args.sketch else ''}, "
           f"{steps}{every}{bundle}; told: {', '.join(response.runs) or 'no run'}")
     return 0

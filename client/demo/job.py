@@ -1,4 +1,4 @@
-"""Demo training job: `python -m twinstep.demo.job --framework torch|paddle ...`.
+"""Demo training job: `python -m twinstep.demo.job --framework torch|paddle|mindspore ...`.
 
 Trains the spec.py LM in one framework, optionally under twinstep, so two of these
 jobs (e.g. torch baseline vs paddle port, or with an injected --bug) can be compared
@@ -9,6 +9,7 @@ definition of the training objective.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -114,6 +115,53 @@ class PaddleTrainer:
         pass
 
 
+class MindSporeTrainer:
+    """MindSpore model (PyNative) and AdamW; imports MindSpore only when a MindSpore job runs.
+
+    MindSpore returns the gradients from ``value_and_grad`` and the optimizer takes them
+    as its argument; the monitor follows that call (attach's ``optimizer=``).
+    """
+
+    def __init__(self, cfg: spec.ModelConfig, lr: float, world_size: int, dist_init: str = "env://") -> None:
+        if world_size > 1:
+            raise SystemExit("twinstep demo: multi-rank training is only implemented for --framework torch")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import mindspore
+        from mindspore.experimental import optim
+
+        from .model_mindspore import build_model
+
+        mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
+        mindspore.set_seed(cfg.seed)
+        self.mindspore = mindspore
+        self.inner = build_model(cfg, spec.init_weights(cfg))
+        self.model = self.inner
+        # torch's AdamW, bias correction and decoupled decay included (nn.AdamWeightDecay has no bias correction).
+        self.opt = optim.AdamW(self.inner.trainable_params(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+        def loss_of(ids: Any, tgt: Any) -> Any:
+            logits = self.inner(ids)
+            return mindspore.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+        self._value_and_grad = mindspore.value_and_grad(loss_of, None, self.opt.parameters)
+
+    def train_step(self, ids: Any, tgt: Any) -> Any:
+        """Forward, next-token cross-entropy, gradients and optimizer step; returns the loss tensor."""
+        Tensor = self.mindspore.Tensor
+        loss, grads = self._value_and_grad(Tensor(ids), Tensor(tgt))
+        self.opt(grads)
+        return loss
+
+    def zero_grad(self) -> None:
+        pass  # MindSpore's gradients are values, not state on the parameters
+
+    def close(self) -> None:
+        pass
+
+
+_TRAINERS = {"torch": TorchTrainer, "paddle": PaddleTrainer, "mindspore": MindSporeTrainer}
+
+
 class _NoMonitor:
     """Stands in for the twinstep monitor when the job trains on its own (--no-monitor)."""
 
@@ -126,15 +174,17 @@ class _NoMonitor:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m twinstep.demo.job", description=__doc__.splitlines()[0])
-    p.add_argument("--framework", choices=("torch", "paddle"), required=True)
+    p.add_argument("--framework", choices=tuple(_TRAINERS), required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--session", default=os.environ.get("TWINSTEP_SESSION", "demo"))
     p.add_argument("--run", default=None, help="run name (default: the framework)")
     p.add_argument("--baseline", action="store_true", help="this run is the one the others are judged against")
     p.add_argument("--reference", action="store_true", help="this run is a rerun of the baseline measuring its noise")
     p.add_argument("--server", default=os.environ.get("TWINSTEP_SERVER"))
-    p.add_argument("--bug", choices=("none", "gelu_tanh", "lr"), default="none",
-                   help="inject a divergence: tanh GELU in layers.1.mlp.act, or lr 1.1e-3")
+    p.add_argument("--bug", choices=("none", "gelu_tanh", "lr", "attn_scale"), default="none",
+                   help="inject a divergence: tanh GELU in layers.1.mlp.act (MindSpore's nn.GELU default), "
+                        "or lr 1.1e-3, or (paddle) "
+                        "attention scores divided by sqrt(head_dim + 1) inline in layers.0.attn's forward")
     p.add_argument("--capture", choices=("stats", "tensors", "lossy"), default="stats")
     p.add_argument("--sketch", action="store_true", help="also send a count-sketch of every floating tensor")
     p.add_argument("--sender", choices=("auto", "thread", "process"), default="auto",
@@ -152,6 +202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-init", default="env://", metavar="URL",
                    help="torch.distributed rendezvous for multi-rank runs (env://, or file:///path shared by the ranks)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--share-weights", action="store_true",
+                   help="baseline: share the initial weights with candidates that ask for them (docs/weight-sync.md)")
+    p.add_argument("--init-from-baseline", action="store_true",
+                   help="start from other random weights, then load the baseline's through twinstep "
+                        "(the baseline runs with --share-weights)")
     p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
     p.add_argument("--quiet", action="store_true",
                    help="no twinstep warnings and a short halt line: `twinstep demo` shows the server's events itself")
@@ -165,10 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun's RANK, else paddle.distributed.launch's PADDLE_TRAINER_ID: each rank trains on its own batches.
     rank = int(os.environ.get("RANK", os.environ.get("PADDLE_TRAINER_ID", "0")))
     prefix = f"[{run}]" if world_size == 1 else f"[{run}:{rank}]"
-    cfg = spec.ModelConfig(seed=args.seed, tanh_gelu_layers=(1,) if args.bug == "gelu_tanh" else ())
+    cfg = spec.ModelConfig(seed=args.seed, tanh_gelu_layers=(1,) if args.bug == "gelu_tanh" else (),
+                           attn_scale_layers=(0,) if args.bug == "attn_scale" else ())
     lr = BUGGY_LR if args.bug == "lr" else LR
 
-    trainer = (TorchTrainer if args.framework == "torch" else PaddleTrainer)(cfg, lr, world_size, args.dist_init)
+    # --init-from-baseline: the model starts from weights of another seed; only twinstep makes them the baseline's.
+    model_cfg = dataclasses.replace(cfg, seed=cfg.seed + 1) if args.init_from_baseline else cfg
+    trainer = _TRAINERS[args.framework](model_cfg, lr, world_size, args.dist_init)
     losses: list[float] = []
     for step in range(min(args.start_step, args.steps)):  # before attaching: no twinstep at all
         ids, tgt = spec.batch(step, rank, cfg)
@@ -189,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.inner, session=args.session, run=run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep, sender=args.sender,
             every=args.every, start_step=args.start_step, max_queue_steps=args.max_queue_steps,
+            # MindSpore's parameter gradients are captured where its optimizer receives them
+            # (and every framework's optimizer set-up is diffed before step 0: docs/preflight.md)
+            optimizer=trainer.opt,
+            share_weights=args.share_weights or None, init_from_baseline=args.init_from_baseline or None,
         )
         halted_type = twinstep.Halted
 

@@ -14,9 +14,10 @@ from .spec import K_PROJ_BIAS, ModelConfig, is_linear_weight
 class Attention(nn.Layer):
     """Causal multi-head self-attention, op-for-op the same as the torch version."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, scale_bug: bool = False) -> None:
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.scale = math.sqrt(self.head_dim + 1 if scale_bug else self.head_dim)
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias_attr=K_PROJ_BIAS)
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
@@ -29,7 +30,7 @@ class Attention(nn.Layer):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         b, s, h = x.shape
         q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
-        scores = paddle.matmul(q, k, transpose_y=True) / math.sqrt(self.head_dim)
+        scores = paddle.matmul(q, k, transpose_y=True) / self.scale
         mask = paddle.triu(paddle.full([s, s], -1e9, dtype=scores.dtype), diagonal=1)
         probs = nn.functional.softmax(scores + mask, axis=-1)
         out = paddle.matmul(probs, v).transpose([0, 2, 1, 3]).reshape([b, s, h])
@@ -55,7 +56,7 @@ class Block(nn.Layer):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, scale_bug=index in cfg.attn_scale_layers)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg, tanh_gelu=index in cfg.tanh_gelu_layers)
 

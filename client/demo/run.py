@@ -1,8 +1,9 @@
 """``twinstep demo``: an embedded server and two real training processes.
 
-The torch job is the baseline; the paddle job is its port, carrying one
-porting bug unless ``--no-bug``.  Both run in lockstep (each may lead the other
-by one step) so the halt visibly stops both.
+The torch job is the baseline; the paddle job (or a MindSpore job, or both:
+``--candidate paddle,mindspore``, a three-way session) is its port, carrying
+one porting bug unless ``--no-bug``.  All run in lockstep (each may lead the
+others by one step) so the halt visibly stops every job.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class DemoEvents:
                 return ""
             self._halts.add(event.halt.reason)
             return f"[demo] HALT every run of the session: {event.halt.reason}"
+        if kind == "alert" and event.alert.kind == "preflight":
+            # A set-up difference found before step 0 (docs/preflight.md): a finding of the demo, not a log line.
+            return f"[demo] PREFLIGHT {event.alert.message.replace('preflight: ', '', 1)}"
         return format_event(event)
 
 
@@ -78,15 +82,36 @@ def _pipe(process: subprocess.Popen[str], lock: threading.Lock) -> None:
             print("  " + line.rstrip(), flush=True)
 
 
-def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port: int | None = None) -> int:
+#: Frameworks a demo candidate can be written in (client/demo/model_*.py).
+CANDIDATES = ("paddle", "mindspore")
+
+
+def parse_candidates(text: str, bug: str | None) -> tuple[list[str], dict[str, str | None]]:
+    """(candidate frameworks, the bug each carries) from ``--candidate``; ValueError saying what is wrong."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CANDIDATES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"--candidate takes {' or '.join(CANDIDATES)}, or both comma-separated, got {text!r}")
+    return names, {name: bug for name in names}  # every candidate carries the bug
+
+
+def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port: int | None = None,
+             candidates: str = "paddle") -> int:
     """``http_port``: also serve the dashboard there (0: a free port); on a terminal it stays up after the
-    runs end until Ctrl-C, so the diverged session can be looked at."""
+    runs end until Ctrl-C, so the diverged session can be looked at.  ``candidates``: "paddle",
+    "mindspore" or "paddle,mindspore" (a three-way session)."""
+    try:
+        ports, bugs = parse_candidates(candidates, bug)
+    except ValueError as error:
+        print(f"twinstep demo: {error}", file=sys.stderr)
+        return 2
     retain_freed_memory()  # the demo's process is the server's own; its jobs are separate processes
     # The server's log repeats the events shown below; keep only its errors on the terminal.
     logging.getLogger("twinstep.server").setLevel(logging.ERROR)
     handle = serve(port=0, halt_on_divergence=True, http_port=http_port)
-    print(f"twinstep demo: server on {handle.address}; torch baseline vs paddle port "
-          f"({'porting bug: ' + bug if bug else 'faithful port'}), {steps} steps", flush=True)
+    print(f"twinstep demo: server on {handle.address}; torch baseline vs {' and '.join(ports)} "
+          f"port{'s' if len(ports) > 1 else ''} ({'porting bug: ' + bug if bug else 'faithful'}), {steps} steps",
+          flush=True)
     if handle.http_url:
         print(f"twinstep demo: dashboard at {handle.http_url}sessions/{_SESSION}", flush=True)
     session = handle.registry.get_or_create(_SESSION)
@@ -114,7 +139,7 @@ def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port
     processes = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for framework, job_bug, baseline in (("torch", None, True), ("paddle", bug, False)):
+            for framework, job_bug, baseline in (("torch", None, True), *((p, bugs[p], False) for p in ports)):
                 cmd = job_command(framework, handle.address, steps=steps, bug=job_bug, capture=capture,
                                   baseline=baseline, extra=["--lockstep", "1", "--session", _SESSION, "--quiet"])
                 process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)

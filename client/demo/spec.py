@@ -27,6 +27,9 @@ class ModelConfig:
     seed: int = 0
     # Layer indices whose mlp.act uses the tanh-approximate GELU (the "gelu_tanh" injected bug).
     tanh_gelu_layers: tuple[int, ...] = ()
+    # Layer indices whose attention divides its scores by sqrt(head_dim + 1), inline in its forward (the
+    # "attn_scale" injected bug: no submodule differs, one functional operation does; docs/operations.md).
+    attn_scale_layers: tuple[int, ...] = ()
 
     @property
     def mlp_hidden(self) -> int:

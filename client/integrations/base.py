@@ -110,8 +110,12 @@ class TrainerAttachment:
 
     # -- the training's life ---------------------------------------------------------
 
-    def begin(self, model: Any, global_step: int, install_loss_hook: Callable[[Any], Callable[[], None]]) -> None:
-        """Attach to the trainer's model (unwrapped); ``install_loss_hook(model)`` returns its remover."""
+    def begin(self, model: Any, global_step: int, install_loss_hook: Callable[[Any], Callable[[], None]],
+              optimizer: Any = None, lr_scheduler: Any = None) -> None:
+        """Attach to the trainer's model (unwrapped); ``install_loss_hook(model)`` returns its remover.
+
+        ``optimizer``, ``lr_scheduler``: the trainer's, when it passes them: their set-up is diffed (preflight).
+        """
         self.end()  # a second train() on the same callback starts a fresh monitor
         self.halted = None
         if model is None:
@@ -125,6 +129,8 @@ class TrainerAttachment:
             from twinstep.api import attach
 
             self.monitor = attach(model, **options)
+            if optimizer is not None:
+                self.monitor.set_optimizer(optimizer, lr_scheduler)
         except Exception as error:
             self.warn_once("attach", f"could not attach ({type(error).__name__}: {error}); training goes on "
                            "without capture", level=logging.ERROR)

@@ -50,7 +50,8 @@ class TwinstepCallback(AttachmentViews, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
         self._accumulation = max(int(getattr(args, "gradient_accumulation_steps", 1) or 1), 1)
         self._halt_pending = False
-        self.attachment.begin(model, int(getattr(state, "global_step", 0) or 0), self._install_loss_hook)
+        self.attachment.begin(model, int(getattr(state, "global_step", 0) or 0), self._install_loss_hook,
+                              kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
         return control
 
     def on_optimizer_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> Any:

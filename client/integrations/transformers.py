@@ -43,7 +43,8 @@ class TwinstepCallback(AttachmentViews, TrainerCallback):
         self.attachment = TrainerAttachment("transformers", attach_options, close_timeout)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
-        self.attachment.begin(model, int(getattr(state, "global_step", 0) or 0), self._install_loss_hook)
+        self.attachment.begin(model, int(getattr(state, "global_step", 0) or 0), self._install_loss_hook,
+                              kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
         return control
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

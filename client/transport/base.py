@@ -5,7 +5,7 @@ Two senders implement :class:`Sender`: :class:`~twinstep.transport.stream.Stream
 :class:`~twinstep.transport.sidecar.SidecarClient` (a sender process does, on
 tensors in shared memory).  The monitor types against this class only.
 
-Threads.  ``start``, ``add_manifest``, ``submit``, ``send_health``,
+Threads.  ``start``, ``add_manifest``, ``submit``, ``send_health``, ``send_setup``,
 ``mark_missing``, ``wait_for_credit`` and ``close`` are called by the training
 thread (``close`` also from ``atexit``).  ``on_command`` and ``current_step``,
 given to the constructor, are called back on the sender's own thread.
@@ -84,6 +84,10 @@ class Sender(ABC):
     @abstractmethod
     def send_health(self, health: pb.CaptureHealth) -> None:
         """The latest capture-health snapshot (cumulative): only the latest is kept and sent."""
+
+    @abstractmethod
+    def send_setup(self, setup: pb.Setup) -> None:
+        """The run's training set-up (docs/preflight.md): only the latest is kept, sent, and sent again after a reconnect."""
 
     @abstractmethod
     def mark_missing(self, step: int, reason: str, detail: str = "") -> None:

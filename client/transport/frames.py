@@ -77,6 +77,13 @@ class Health(Frame):
 
 
 @dataclass(frozen=True)
+class Setup(Frame):
+    """A serialized Setup (the run's training set-up)."""
+
+    setup: bytes
+
+
+@dataclass(frozen=True)
 class Missing(Frame):
     """A step the server will not get; ``dropped``: the training process dropped it (and counts it)."""
 
@@ -199,7 +206,7 @@ class Closed(Frame):
 
 
 KINDS: frozenset[type[Frame]] = frozenset(
-    {Start, Segment, Forget, Manifest, Health, Missing, Batch, StepAnswer, Close,
+    {Start, Segment, Forget, Manifest, Health, Setup, Missing, Batch, StepAnswer, Close,
      Release, ServerCommand, AskStep, Log, State, Closed}
 )
 

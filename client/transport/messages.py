@@ -64,6 +64,8 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int], tensor_pi
         cost=batch.cost.to_proto(),
         record_names=batch.record_names,
     )
+    if batch.ops:
+        message.ops.ParseFromString(batch.ops)
     if batch.sketch_records is not None and len(batch.sketch_records):
         buckets, seed = batch.sketch_spec
         message.sketches.CopyFrom(pb.Sketches(buckets=buckets, seed=seed, record=batch.sketch_records.tolist(),

@@ -147,6 +147,10 @@ class SidecarClient(Sender):
         """The sender process keeps the latest snapshot and sends it."""
         self._queue_control(frames.Health(health.SerializeToString()))
 
+    def send_setup(self, setup: pb.Setup) -> None:
+        """The sender process keeps the latest set-up and sends it."""
+        self._queue_control(frames.Setup(setup.SerializeToString()))
+
     def mark_missing(self, step: int, reason: str, detail: str = "") -> None:
         """The sender process lists the step with its health."""
         self._queue_control(frames.Missing(step, reason, detail))

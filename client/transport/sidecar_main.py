@@ -54,6 +54,7 @@ class SenderProcess:
             frames.Manifest: self._on_manifest,
             frames.Missing: self._on_missing,
             frames.Health: self._on_health,
+            frames.Setup: self._on_setup,
             frames.Batch: self._on_batch,
             frames.Close: self._on_close,
         }
@@ -121,6 +122,10 @@ class SenderProcess:
     def _on_health(self, frame: frames.Health) -> None:
         assert self._client is not None
         self._client.send_health(pb.CaptureHealth.FromString(frame.health))
+
+    def _on_setup(self, frame: frames.Setup) -> None:
+        assert self._client is not None
+        self._client.send_setup(pb.Setup.FromString(frame.setup))
 
     def _on_batch(self, frame: frames.Batch) -> None:
         assert self._client is not None

@@ -155,6 +155,8 @@ class StreamClient(Sender):
         self._manifest_sent = (0, 0)
         self._health: pb.CaptureHealth | None = None  # the latest capture-health snapshot (cumulative)
         self._health_pending = False  # the server has not seen the latest snapshot on this stream
+        self._setup: pb.Setup | None = None  # the latest training set-up (docs/preflight.md)
+        self._setup_pending = False  # the server has not seen it on this stream
         self._credit = -1  # highest step we may send; -1 until the server welcomes us
         self._welcomed = False
         # The server's error budgets per phase for capture="lossy" (Welcome.lossy).
@@ -233,6 +235,12 @@ class StreamClient(Sender):
         with self._cond:
             self._health = health
             self._health_pending = True
+            self._cond.notify_all()
+
+    def send_setup(self, setup: pb.Setup) -> None:
+        with self._cond:
+            self._setup = setup
+            self._setup_pending = True
             self._cond.notify_all()
 
     def mark_missing(self, step: int, reason: str, detail: str = "", *, dropped: bool = False) -> None:
@@ -340,6 +348,7 @@ class StreamClient(Sender):
                     self._sent = 0
                     self._manifest_sent = (0, 0)
                     self._health_pending = self._health is not None  # told again, with the missing steps
+                    self._setup_pending = self._setup is not None
                     self._ledger.resend()
                     self.stats.connected = False
                     self._cond.notify_all()
@@ -492,6 +501,9 @@ class StreamClient(Sender):
                         modules=self._modules[sent_modules:], parameters=self._parameters[sent_params:]
                     )
                     return pb.ClientMessage(manifest=manifest), None
+                if self._setup_pending and self._setup is not None:  # before any step: preflight comes first
+                    self._setup_pending = False
+                    return pb.ClientMessage(setup=self._setup), None
                 if self._health_pending or self._ledger.unreported:
                     self._health_pending = False
                     return self._health_message(), None

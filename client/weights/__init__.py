@@ -2,8 +2,8 @@
 
 ``publish.py`` (the baseline: a copy at attach, uploaded in the background),
 ``fetch.py`` (a candidate: download, check, load all or nothing), and one
-loader per framework (``torch.py``, ``paddle.py``), imported only by a job of
-that framework.  The server plans the conversion (twinstep.server.weights).
+loader per framework (``torch.py``, ``paddle.py``, ``mindspore.py``), imported
+only by a job of that framework.  The server plans the conversion (twinstep.server.weights).
 See docs/weight-sync.md.
 """
 

@@ -55,6 +55,7 @@ class _RunRow:
     bytes_read: int
     steps_compared: int | None  # None: the baseline compares nothing itself
     diverged: bool
+    preflight_warnings: int = 0  # set-up differences from the baseline that can change the numerics
 
 
 @dataclass
@@ -76,6 +77,8 @@ def read_session(session: Session) -> _SessionRow:
             for run in session.runs.values()
         }
         declared = set(session.tracker.declared)
+        preflight = {run: sum(f.severity == "warning" for f in findings)
+                     for run, findings in session.preflight.findings.items()}
         compared = {name: session.tracker.steps_compared_by(name)
                     for name in (*session.candidates, *session.references)}
         out = _SessionRow(name=session.name, status=session.status(), halted=session.halted,
@@ -91,6 +94,7 @@ def read_session(session: Session) -> _SessionRow:
             capture_failed_records=sum(f.count for h in row.health for f in h.capture.failures),
             bytes_captured=row.capture_cost.bytes_captured, bytes_read=row.capture_cost.bytes_read,
             steps_compared=compared.get(row.name), diverged=row.name in declared,
+            preflight_warnings=preflight.get(row.name, 0),
         ))
     return out
 
@@ -176,6 +180,9 @@ def _families(rows: list[_SessionRow], budget: int) -> list[Metric]:
                                        "Steps of this candidate (or reference) compared on at least one rank", labels=r)
     divergences = CounterMetricFamily("twinstep_run_divergences",
                                       "First divergences declared for this candidate (0 or 1)", labels=r)
+    preflight = GaugeMetricFamily("twinstep_run_preflight_warnings",
+                                  "Differences of this candidate's training set-up from the baseline's that can "
+                                  "change the numerics (docs/preflight.md)", labels=r)
 
     for row in rows:
         for value in SESSION_STATUSES:
@@ -204,8 +211,10 @@ def _families(rows: list[_SessionRow], budget: int) -> list[Metric]:
             if run.steps_compared is not None:
                 run_compared.add_metric(labels, run.steps_compared)
                 divergences.add_metric(labels, float(run.diverged))
+                preflight.add_metric(labels, run.preflight_warnings)
     return [sessions, held, budget_family, status, halts, compared, session_held, info, state, ranks, last_step, lag,
-            steps, records, resent, dropped, failed_steps, failed_records, captured, read, run_compared, divergences]
+            steps, records, resent, dropped, failed_steps, failed_records, captured, read, run_compared, divergences,
+            preflight]
 
 
 def _webhook_families(webhooks: WebhookDispatcher) -> list[Metric]:

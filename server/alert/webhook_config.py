@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The events a webhook can be sent for.
-EVENTS = ("divergence", "halt", "lost_run", "capture_failure")
+EVENTS = ("divergence", "halt", "lost_run", "capture_failure", "preflight")
 FORMATS = ("json", "slack")
 _KEYS = {"url", "format", "events", "headers", "timeout", "max_attempts", "queue_size"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

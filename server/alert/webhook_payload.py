@@ -23,7 +23,7 @@ def event_kind(event: pb.Event) -> str | None:
     body = event.WhichOneof("body")
     if body in ("divergence", "halt"):
         return body
-    if body == "alert" and event.alert.kind in ("lost_run", "capture_failure"):
+    if body == "alert" and event.alert.kind in ("lost_run", "capture_failure", "preflight"):
         return event.alert.kind
     return None
 
@@ -76,9 +76,10 @@ def summary(event: pb.Event) -> str:
     return f"session {session!r}: {event.alert.message}"
 
 
-_TITLES = {"divergence": "Divergence", "halt": "Halt", "lost_run": "Run lost", "capture_failure": "Capture failing"}
+_TITLES = {"divergence": "Divergence", "halt": "Halt", "lost_run": "Run lost", "capture_failure": "Capture failing",
+           "preflight": "Set-up differs"}
 _ICONS = {"divergence": ":rotating_light:", "halt": ":octagonal_sign:", "lost_run": ":warning:",
-          "capture_failure": ":warning:"}
+          "capture_failure": ":warning:", "preflight": ":warning:"}
 
 
 def slack_payload(event: pb.Event, server: str = "") -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Records are joined on (phase, baseline name, call index, slot): fused groups
 first (one module on one side, its parts on the other), then by name after
-the mapping.  Named records (phase record) join by their own names: no
+the mapping (parameters under torch's local names: twinstep.layouts).  Named records (phase record) join by their own names: no
 mapping or fused rule applies to them.  Used once per pair of layouts by the planner; the comparator
 names fused groups the same way.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinstep import phases
+from twinstep.layouts import canonical_parameter_name
 from twinstep.server.compare.mapping import FusedRule, NameMapping
 from twinstep.server.ingest.step import StepData
 
@@ -41,7 +42,10 @@ def join(base: StepData, cand: StepData, mapping: NameMapping
     is in one pair only), unmatched baseline records, unmatched candidate records).
     """
     def key(data: StepData, i: int, name: str) -> tuple[int, str, int, int]:
-        return (int(data.phase[i]), name, int(data.call_index[i]), int(data.slot[i]))
+        phase = int(data.phase[i])
+        if phase in phases.PARAM_PHASES:  # MindSpore's gamma/beta/embedding_table join torch's weight/bias
+            name = canonical_parameter_name(data.types[i], name)
+        return (phase, name, int(data.call_index[i]), int(data.slot[i]))
 
     base_index = {key(base, i, name): i for i, name in enumerate(base.names)}
     pairs: list[Pair] = []

@@ -44,6 +44,14 @@ class MappingResolver:
         self._bound[(run, rank)] = (module_count, mapping)
         return mapping
 
+    def for_names(self, run: str, module_types: dict[str, str]) -> NameMapping:
+        """The mapping of a candidate for names outside any step (its set-up's modules: preflight), not cached."""
+        mapping = self.user
+        auto = self.proposals.get(run)
+        if auto:
+            mapping = dataclasses.replace(mapping, exact={**auto, **mapping.exact})
+        return mapping.bind(module_types) if mapping.layer_mapping else mapping
+
     def wants_proposal(self, run: str, unmatched_candidate: bool) -> bool:
         """Automatic matching runs once per candidate, on its first step with unmatched modules."""
         return self.automatic and unmatched_candidate and run not in self.proposals

@@ -160,6 +160,14 @@ class ToleranceConfig:
             self._cache[key] = tolerances
         return tolerances
 
+    def set_by_user(self, phase: str, name: str) -> bool:
+        """Whether the config chose this record's tolerance (its phase's defaults changed, or an override matches):
+        the user said what difference is acceptable there, so no rule below tolerance second-guesses it."""
+        judged = "forward" if phase == "input" else phase
+        if self.defaults.get(judged) != _FP32_DEFAULTS.get(judged):
+            return True
+        return any(o.phase in ("*", phase) and fnmatch.fnmatchcase(name, o.pattern) for o in self.overrides)
+
     @classmethod
     def from_dict(cls, data: Any, where: str = "tolerances") -> "ToleranceConfig":
         config = cls()

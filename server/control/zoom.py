@@ -14,7 +14,10 @@ for one:
   statistics;
 - a halt on a divergence with ``bundle_on_halt``: every run writes a
   reproducer bundle of the divergent module at the zoom's step, and halts
-  at the end of that step.
+  at the end of that step;
+- the session after a divergence whose culprit is a module's own code, with
+  ``auto_ops``: every run captures that module's operations in one call at
+  one step (``ops_module``), and server/ops names the first that differs.
 
 Commands are queued to streams (never blocking); step queries are awaited on
 the asking thread (the RPC's, or a thread of its own for the session's
@@ -84,9 +87,12 @@ class ZoomCoordinator:
     def request(self, session: "Session", request: pb.ZoomRequest) -> pb.ZoomResponse:
         """Carry out a Zoom RPC: raises ZoomRefused with the code and the reason."""
         patterns = list(request.modules)
-        if not patterns:
+        if not patterns and not request.ops_module:
             raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, "which modules? give --module PATTERN (a glob over "
-                              "the baseline's module names, '' is the whole model)")
+                              "the baseline's module names, '' is the whole model) or --ops MODULE")
+        if len(request.ops_module) > _MAX_TEXT or any(c in request.ops_module for c in "*?["):
+            raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, "--ops takes one module's exact name (the baseline's, "
+                              "e.g. layers.0.attn), not a pattern")
         if len(patterns) > _MAX_PATTERNS or any(len(p) > _MAX_TEXT for p in patterns) or len(request.reason) > _MAX_TEXT:
             raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, f"at most {_MAX_PATTERNS} module patterns and a "
                               f"reason, each of at most {_MAX_TEXT} characters")
@@ -122,7 +128,7 @@ class ZoomCoordinator:
             first = request.from_step
         spec = pb.ZoomSpec(modules=patterns, capture=capture, sketch=request.sketch, every=every, first_step=first,
                            last_step=first + steps - 1, bundle_module=bundle, divergent_step=-1,
-                           reason=request.reason or "asked by an operator")
+                           reason=request.reason or "asked by an operator", ops_module=request.ops_module)
         window = self._tell(session, spec, "operator", lambda run, spec: self._operator_spec(session, run, spec))
         logger.info("session %s: zoom #%d %s in %s, steps %d-%d%s (runs %s)", self.session, window.spec.id,
                     ", ".join(patterns), capture, spec.first_step, spec.last_step,
@@ -136,6 +142,32 @@ class ZoomCoordinator:
         """auto_zoom: full tensors of the divergent module and its neighbours, on a thread of its own."""
         threading.Thread(target=self._safely, args=(self._auto, session, found, steps),
                          name="twinstep-auto-zoom", daemon=True).start()
+
+    def ops_after_divergence(self, session: "Session", found: "Candidate", module: str, candidate_module: str) -> None:
+        """auto_ops: every run captures ``module``'s operations at one step all can reach, on a thread of its own."""
+        threading.Thread(target=self._safely, args=(self._auto_ops, session, found, module, candidate_module),
+                         name="twinstep-auto-ops", daemon=True).start()
+
+    def _auto_ops(self, session: "Session", found: "Candidate", module: str, candidate_module: str) -> None:
+        conns = _open_streams(session)
+        if not conns:
+            return
+        at_step = self.steps.reach([c for c, _ in conns]).earliest
+        comparison = found.comparison
+        spec = pb.ZoomSpec(capture="tensors", every=1, first_step=at_step, last_step=at_step, ops_module=module,
+                           divergent_step=comparison.step,
+                           reason=f"auto_ops: divergence at step {comparison.step} in the code of {module!r}")
+
+        def per_run(run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+            out = pb.ZoomSpec()
+            out.CopyFrom(spec)
+            out.ops_module = (candidate_module if run == comparison.candidate_run
+                              else _candidate_name(session, run, module))
+            return out
+
+        window = self._tell(session, spec, "auto-ops", per_run)
+        logger.warning("session %s: auto_ops #%d: the operations of %r at step %d (runs %s)", self.session,
+                       window.spec.id, module, at_step, ", ".join(window.runs))
 
     def halt_with_bundle(self, session: "Session", found: "Candidate", reason: str) -> bool:
         """bundle_on_halt: every run writes a bundle of the divergent module, then halts; False if already halting."""
@@ -238,6 +270,8 @@ class ZoomCoordinator:
         steps = (f"step {spec.first_step}" if spec.first_step == spec.last_step
                  else f"steps {spec.first_step}-{spec.last_step}")
         bundle = f", a reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else ""
+        if spec.ops_module:
+            bundle += f", the operations of {spec.ops_module!r}"
         session.events.publish(pb.Event(alert=pb.AlertNotice(level="info", message=(
             f"zoom #{spec.id} ({origin}): {', '.join(spec.modules[:8]) or '(model)'} in {spec.capture}, {steps}"
             f"{bundle}; told: {', '.join(window.runs) or 'no run'}"))), keep=True)
@@ -256,6 +290,8 @@ class ZoomCoordinator:
                                                       mapping.to_baseline))
         if spec.bundle_module:
             out.bundle_module = _candidate_name(session, run, spec.bundle_module)
+        if spec.ops_module:
+            out.ops_module = _candidate_name(session, run, spec.ops_module)
         return out
 
     def on_join(self, conn: Connection, run: str) -> None:

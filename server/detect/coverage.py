@@ -10,7 +10,7 @@ the session from ending ``aligned``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Protocol
+from typing import Collection, Mapping, Protocol
 
 from twinstep import phases
 from twinstep.server.align.coverage import CoverageLedger
@@ -141,12 +141,20 @@ def _summary(coverage: pb.Coverage, compared: StepRanges) -> str:
     return head
 
 
-def coverage_problems(session: _SessionView) -> list[str]:
-    """Every reason the session's comparison does not cover both runs whole (empty: nothing missing)."""
+def coverage_problems(session: _SessionView, only: str | None = None,
+                      halted_runs: Collection[str] = ()) -> list[str]:
+    """Every reason the session's comparison does not cover both runs whole (empty: nothing missing).
+
+    ``only``: the reasons of one candidate's comparison (its run's, the baseline's and the
+    references'), for its own verdict in a session with several.  ``halted_runs``: candidates
+    halted alone (twinstep.server.runs.halt), whose steps after the halt are missing on purpose.
+    """
     runs = list(session.runs.values())
     problems: list[str] = []
     if not runs:
         return ["no run has joined"]
+    if only is not None:
+        runs = [r for r in runs if r.baseline or r.reference or r.name == only]
     baseline = session.runs.get(session.baseline or "")
     candidates = [r for r in runs if not r.baseline and not r.reference]
     if baseline is None:
@@ -161,13 +169,31 @@ def coverage_problems(session: _SessionView) -> list[str]:
     for cand in candidates:
         coverage = session.coverage_of(cand.name)
         if coverage.gaps or coverage.gaps_unlisted:
-            if session.halted and all(g.reason.startswith(f"run {g.run!r} ended") for g in coverage.gaps):
+            if ((session.halted or cand.name in halted_runs)
+                    and all(g.reason.startswith(f"run {g.run!r} ended") for g in coverage.gaps)):
                 continue  # a halt stops the runs at different steps on purpose
             problems.append(f"run {cand.name!r}: not compared: "
                             f"{describe_gaps(list(coverage.gaps), coverage.gaps_unlisted, limit=4)}")
         if ended and coverage.steps_compared == 0:
             problems.append(f"run {cand.name!r}: no step was compared on both sides")
     return problems
+
+
+def candidate_verdict(session: _SessionView, candidate: str, diverged: bool,
+                      halted_runs: Collection[str] = ()) -> tuple[str, list[str]]:
+    """One candidate's own verdict (running | aligned | diverged | incomplete) and its reasons.
+
+    The session's rule (Session.status_and_reasons) applied to one candidate's comparison: its
+    first divergence, and the runs it depends on (the baseline, the references and itself).  A
+    session with several candidates is ``diverged`` when any is, while another may be ``aligned``.
+    """
+    reasons = coverage_problems(session, only=candidate, halted_runs=halted_runs)
+    if diverged:
+        return "diverged", reasons
+    involved = [r for r in session.runs.values() if r.baseline or r.reference or r.name == candidate]
+    if any(r.state not in ENDED for r in involved):
+        return "running", reasons
+    return ("incomplete" if reasons else "aligned"), reasons
 
 
 def _run_problems(run: RunView) -> list[str]:

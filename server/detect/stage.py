@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import re
 
+from typing import TYPE_CHECKING
+
 from twinstep.server.compare.comparator import Row, StepComparison
+
+if TYPE_CHECKING:
+    from twinstep.server.detect.origin import Origin
 
 _COMMON_FACTOR = 1e-3  # relative spread under which per-tensor scales count as one factor
 
@@ -135,6 +140,30 @@ def _describe(row: Row, comparison: StepComparison) -> str:
             f"optimizer: forward and gradients matched; after the update {kind} differ, first {name}: check {hint}"
         )
     return row.phase
+
+
+def describe_origin(origin: "Origin") -> str:
+    """The stage of a divergence traced back to its origin (twinstep.server.detect.origin), naming the cause."""
+    row, step = origin.row, origin.comparison.step
+    if row.phase == "forward":
+        return (f"forward: {row.name} ({row.type}) adds its own error at step {step}: {origin.evidence}. Its "
+                "computation differs (a rotary base, a constant, an epsilon or a dtype); the difference is under "
+                "every flat tolerance and grows from here")
+    n = origin.involved_total
+    if origin.one_dimensional:
+        kind = f"only 1-D parameters (norm weights, biases; {n} of them)"
+        hint = ("weight decay applied to parameters the baseline exempts (or the reverse), or the optimizer's "
+                "epsilon if their gradients are tiny")
+        if origin.shrink is not None:
+            hint = (f"weight decay: each shrinks by the same factor x{origin.shrink:.7g} per step, as decay does "
+                    f"(1 - lr x weight decay = {origin.shrink:.7g}); check which parameters the candidate decays")
+    else:
+        in_phase = len(origin.comparison.rows)
+        kind = f"{n} of {in_phase} parameters"
+        hint = ("the optimizer's epsilon (it moves first the parameters whose gradients are tiny), betas, or "
+                "per-parameter-group settings (learning rate, weight decay, clipping of some groups)")
+    return (f"optimizer: traced back to the update of step {step}: {kind} moved away from the baseline, first "
+            f"{row.name}, under every flat tolerance ({origin.evidence}): check {hint}")
 
 
 def _common_factor(rows: list[Row]) -> float | None:

@@ -19,6 +19,7 @@ class Kind(enum.IntEnum):
     LEAVE = 7      # header: JSON {"silent_for": seconds} (the stream ended)
     HALT = 8       # header: the reason, UTF-8
     GIVE_UP = 9    # header: empty; a lost stream's reconnect grace ran out (its run's steps are released)
+    SETUP = 10     # header: Setup (the run's training set-up, docs/preflight.md)
 
 
 @dataclass(frozen=True)

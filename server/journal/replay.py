@@ -84,6 +84,8 @@ def _apply(session: Session, entry: Entry, streams: dict[int, Connection], left:
         session.add_manifest(conn, pb.Manifest.FromString(entry.header))
     elif entry.kind is Kind.HEALTH:
         session.add_health(conn, pb.CaptureHealth.FromString(entry.header))
+    elif entry.kind is Kind.SETUP:
+        session.add_setup(conn, pb.Setup.FromString(entry.header))
     elif entry.kind is Kind.PIECE:
         header = pb.TensorPiece.FromString(entry.header)
         conn.pieces.add(header, None if entry.payload is None else memoryview(entry.payload))

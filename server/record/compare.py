@@ -23,7 +23,7 @@ from twinstep.server.record.format import NOTE, RecordingError, RecordingReader
 from twinstep.v1 import twinstep_pb2 as pb
 
 SESSION = "compare-recordings"
-_PARSERS = {Kind.MANIFEST: pb.Manifest, Kind.HEALTH: pb.CaptureHealth, Kind.STEP: pb.StepRecords,
+_PARSERS = {Kind.MANIFEST: pb.Manifest, Kind.HEALTH: pb.CaptureHealth, Kind.SETUP: pb.Setup, Kind.STEP: pb.StepRecords,
             Kind.CLOSE: pb.Close}
 
 

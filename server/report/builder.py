@@ -5,14 +5,19 @@ from __future__ import annotations
 from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.detect.culprit import explain, growth_factors
-from twinstep.server.report.snapshot import SessionSnapshot
+from twinstep.server.report.snapshot import CandidateSnapshot, SessionSnapshot
 from twinstep.v1 import twinstep_pb2 as pb
 
 _MAX_ROWS = 60
 
 
 def build_report(snapshot: SessionSnapshot) -> pb.Report:
-    """The Report of a session, from its snapshot (see Session.snapshot)."""
+    """The Report of a session, from its snapshot (see Session.snapshot).
+
+    The top-level verdict, first divergence, stage, culprit and tree are the session's (its
+    earliest divergence among the candidates), as before sessions had several candidates;
+    ``candidates`` holds each candidate's own.
+    """
     report = pb.Report(
         session=snapshot.name,
         status=snapshot.status,
@@ -29,6 +34,8 @@ def build_report(snapshot: SessionSnapshot) -> pb.Report:
         records=snapshot.records,
         zooms=snapshot.zooms,
         tensor_steps=snapshot.tensor_steps,
+        preflight=snapshot.preflight,
+        operations=snapshot.operations,
     )
     if snapshot.batch_sync is not None:
         report.batch_sync.CopyFrom(snapshot.batch_sync)
@@ -43,7 +50,33 @@ def build_report(snapshot: SessionSnapshot) -> pb.Report:
         report.tree.extend(_tree_rows(snapshot.last_comparison, None))
     if snapshot.proposed_mapping:
         report.proposed_mapping = automatch.to_yaml(snapshot.proposed_mapping)
+    report.candidates.extend(_candidate_section(candidate) for candidate in snapshot.candidates)
     return report
+
+
+def _candidate_section(candidate: CandidateSnapshot) -> pb.CandidateReport:
+    """One candidate against the baseline: its verdict, first divergence, and the tree around it."""
+    section = pb.CandidateReport(
+        candidate_run=candidate.run,
+        framework=candidate.framework,
+        status=candidate.status,
+        status_reasons=candidate.status_reasons,
+        halted=candidate.halted,
+        steps_compared=candidate.steps_compared,
+        coverage=candidate.coverage,
+        tree_step=-1,
+    )
+    first = candidate.first
+    if first is not None:
+        section.first_divergence.CopyFrom(first.to_proto())
+        section.stage = section.first_divergence.stage
+        section.culprit = explain(first.row, first.comparison)
+        section.tree.extend(_tree_rows(first.comparison, first.row))
+        section.tree_step = first.comparison.step
+    elif candidate.last_comparison is not None:
+        section.tree.extend(_tree_rows(candidate.last_comparison, None))
+        section.tree_step = candidate.last_comparison.step
+    return section
 
 
 def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleRow]:

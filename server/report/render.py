@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from twinstep import phases
+from twinstep.server.report.preflight import preflight_lines, preflight_to_dict
 from twinstep.server.report.records import batch_sync_to_dict, record_lines, records_to_dict
 from twinstep.server.report.zoom import tensor_steps_to_dict, zoom_lines, zooms_to_dict
+from twinstep.server.report.operations import operation_lines, operations_to_dict
 from twinstep.server.report.weights import weight_sync_lines, weight_sync_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.8"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -36,31 +38,8 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
     without input evidence) are null; non-finite numbers are the strings
     "inf", "-inf" and "nan", since JSON has no such numbers.
     """
-    first = None
-    if report.HasField("first_divergence"):
-        d = report.first_divergence
-        first = {
-            "step": d.step,
-            "rank": d.rank,
-            "phase": d.phase,
-            "module": d.module,
-            "candidate_module": d.candidate_module,
-            "metric": d.metric,
-            "value": _finite(d.value),
-            "tolerance": _finite(d.tolerance),
-            "candidate_run": d.candidate_run,
-            "stage": d.stage,
-            "after_gap": d.after_gap,
-            "gaps_before": [_gap(g) for g in d.gaps_before],
-            "gaps_summary": d.gaps_summary or None,
-        }
-    tree = None
-    if report.tree:
-        tree = {
-            "phase": first["phase"] if first else "forward",
-            "step": first["step"] if first else None,
-            "rows": [_row(r) for r in report.tree],
-        }
+    first = _divergence(report.first_divergence) if report.HasField("first_divergence") else None
+    tree = _tree(report.tree, first)
     return {
         "schema_version": SCHEMA_VERSION,
         "session": report.session,
@@ -73,6 +52,7 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
         "stage": report.stage or None,
         "culprit": report.culprit or None,
         "tree": tree,
+        "candidates": [_candidate(c) for c in report.candidates],
         "long_run": [_long_run(summary) for summary in report.long_run],
         "headroom": [
             {"candidate_run": h.candidate_run, "phase": h.phase, "metric": h.metric, "value": _finite(h.value),
@@ -92,6 +72,91 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
         "batch_sync": batch_sync_to_dict(report),
         "zooms": zooms_to_dict(report),
         "tensor_steps": tensor_steps_to_dict(report),
+        "operations": operations_to_dict(report),
+        "preflight": preflight_to_dict(report),
+    }
+
+
+def _divergence(d: pb.Divergence) -> dict[str, Any]:
+    """A first divergence (the session's, or one candidate's)."""
+    return {
+        "step": d.step,
+        "rank": d.rank,
+        "phase": d.phase,
+        "module": d.module,
+        "candidate_module": d.candidate_module,
+        "metric": d.metric,
+        "value": _finite(d.value),
+        "tolerance": _finite(d.tolerance),
+        "candidate_run": d.candidate_run,
+        "stage": d.stage,
+        "after_gap": d.after_gap,
+        "gaps_before": [_gap(g) for g in d.gaps_before],
+        "gaps_summary": d.gaps_summary or None,
+        "origin": _origin(d),
+        "crossed": _crossed(d),
+    }
+
+
+def origin_lines(d: pb.Divergence, indent: str = "  ") -> list[str]:
+    """A traced-back divergence's evidence and where it first crossed a tolerance, in words ([] otherwise)."""
+    if not d.HasField("origin"):
+        return []
+    o = d.origin
+    more = f" (and {o.involved_total - len(o.involved)} more)" if o.involved_total > len(o.involved) else ""
+    lines = [f"{indent}traced back to its origin, under every flat tolerance: {o.evidence}",
+             f"{indent}involved: {', '.join(o.involved)}{more}"]
+    if d.HasField("crossed"):
+        c = d.crossed
+        lines.append(f"{indent}first crossed a tolerance at step {c.step}, rank {c.rank}, {c.phase} of "
+                     f"{c.module or '(model)'!r}: {c.metric} {c.value:.3g} > {c.tolerance:.3g}")
+    else:
+        lines.append(f"{indent}no tolerance crossed yet")
+    return lines
+
+
+def _origin(d: pb.Divergence) -> dict[str, Any] | None:
+    if not d.HasField("origin"):
+        return None
+    o = d.origin
+    return {"evidence": o.evidence, "rule": o.rule, "ratio": _finite(o.ratio), "evidence_step": o.evidence_step,
+            "involved": list(o.involved), "involved_total": o.involved_total}
+
+
+def _crossed(d: pb.Divergence) -> dict[str, Any] | None:
+    if not d.HasField("crossed"):
+        return None
+    c = d.crossed
+    return {"step": c.step, "rank": c.rank, "phase": c.phase, "module": c.module, "metric": c.metric,
+            "value": _finite(c.value), "tolerance": _finite(c.tolerance)}
+
+
+def _tree(rows: Any, first: dict[str, Any] | None, step: int | None = None) -> dict[str, Any] | None:
+    """The module tree at a first divergence, else at the last step compared (``step`` when known)."""
+    if not rows:
+        return None
+    return {
+        "phase": first["phase"] if first else "forward",
+        "step": first["step"] if first else step,
+        "rows": [_row(r) for r in rows],
+    }
+
+
+def _candidate(c: pb.CandidateReport) -> dict[str, Any]:
+    """One candidate's own section: its verdict and first divergence against the baseline."""
+    first = _divergence(c.first_divergence) if c.HasField("first_divergence") else None
+    return {
+        "candidate_run": c.candidate_run,
+        "framework": c.framework,
+        "status": c.status,
+        "status_reasons": list(c.status_reasons),
+        "halted": c.halted,
+        "steps_compared": c.steps_compared,
+        "first_divergence": first,
+        "stage": c.stage or None,
+        "culprit": c.culprit or None,
+        "tree": _tree(c.tree, first, c.tree_step if c.tree_step >= 0 else None),
+        "coverage": c.coverage,
     }
 
 
@@ -217,28 +282,17 @@ def render_text(report: pb.Report) -> str:
     warnings = [(r.name, w) for r in report.runs for w in r.warnings]
     for name, warning in warnings:
         lines.append(f"  warning, run {name!r}: {warning}")
-    if report.HasField("first_divergence"):
-        d = report.first_divergence
-        where = d.module or "(model)"
-        also = f" (candidate {d.candidate_module!r})" if d.candidate_module and d.candidate_module != d.module else ""
-        lines.append("")
-        lines.append(
-            f"first divergence: step {d.step}, rank {d.rank}, {d.phase} of {where!r}{also} "
-            f"in run {d.candidate_run!r}: {d.metric} {d.value:.3g} > tolerance {d.tolerance:.3g}"
-        )
-        if d.after_gap:
-            lines.append("  after a gap: this is the earliest divergence among the steps compared, and it may have")
-            lines.append("  begun where nothing was compared: " + d.gaps_summary)
-        lines.append(f"stage: {report.stage}")
-        if report.culprit:
-            lines.append(f"culprit: {report.culprit}")
-    if report.tree:
-        phase = report.first_divergence.phase if report.HasField("first_divergence") else "forward"
-        phase = "named" if phase == "record" else phase  # "named records", not "record records"
-        lines.append("")
-        lines.append(f"{phase} records, step {report.first_divergence.step if report.HasField('first_divergence') else 'last compared'}:")
-        lines.extend(_tree_lines(report.tree))
-    if report.coverage:
+    if report.preflight:
+        lines.extend("  " + line for line in preflight_lines(report))
+    several = len(report.candidates) > 1
+    if several:  # one section per candidate; the session's earliest divergence is one of them
+        for candidate in report.candidates:
+            lines.append("")
+            lines.extend(_candidate_lines(candidate))
+    else:
+        first = report.first_divergence if report.HasField("first_divergence") else None
+        lines.extend(_divergence_lines(first, report.stage, report.culprit, report.tree, "last compared"))
+    if report.coverage and not several:
         lines.append("")
         for coverage in report.coverage:
             lines.append(f"coverage, candidate {coverage.candidate_run!r}: {coverage.summary}")
@@ -258,6 +312,9 @@ def render_text(report: pb.Report) -> str:
     if report.zooms or report.tensor_steps:
         lines.append("")
         lines.extend(zoom_lines(report))
+    if report.operations:
+        lines.append("")
+        lines.extend(operation_lines(report))
     if report.unmatched_baseline or report.unmatched_candidate:
         lines.append("")
         if report.unmatched_baseline:
@@ -267,6 +324,49 @@ def render_text(report: pb.Report) -> str:
     for error in report.errors[:20]:
         lines.append(f"error: {error}")
     return "\n".join(lines)
+
+
+def _candidate_lines(c: pb.CandidateReport) -> list[str]:
+    """One candidate's section: a heading with its verdict, its first divergence and tree, its coverage."""
+    halted = "  (halted)" if c.halted else ""
+    lines = [f"== candidate {c.candidate_run!r} ({c.framework}) against the baseline: {c.status.upper()}{halted}, "
+             f"{c.steps_compared} step(s) compared"]
+    if c.status_reasons and c.status != "aligned":
+        lines.extend(f"  - {reason}" for reason in c.status_reasons)
+    first = c.first_divergence if c.HasField("first_divergence") else None
+    tree_step = str(c.tree_step) if c.tree_step >= 0 else "last compared"
+    lines.extend(line for line in _divergence_lines(first, c.stage, c.culprit, c.tree, tree_step) if line)
+    if c.coverage:
+        lines.append(f"coverage: {c.coverage}")
+    return lines
+
+
+def _divergence_lines(d: pb.Divergence | None, stage: str, culprit: str, tree: Any, tree_step: str) -> list[str]:
+    """A first divergence (None: none) with its stage and culprit, then the module tree around it."""
+    lines: list[str] = []
+    if d is not None:
+        where = d.module or "(model)"
+        also = f" (candidate {d.candidate_module!r})" if d.candidate_module and d.candidate_module != d.module else ""
+        lines.append("")
+        lines.append(
+            f"first divergence: step {d.step}, rank {d.rank}, {d.phase} of {where!r}{also} "
+            f"in run {d.candidate_run!r}: {d.metric} {d.value:.3g} > "
+            f"{'faithful floor' if d.HasField('origin') else 'tolerance'} {d.tolerance:.3g}"
+        )
+        lines.extend(origin_lines(d))
+        if d.after_gap:
+            lines.append("  after a gap: this is the earliest divergence among the steps compared, and it may have")
+            lines.append("  begun where nothing was compared: " + d.gaps_summary)
+        lines.append(f"stage: {stage}")
+        if culprit:
+            lines.append(f"culprit: {culprit}")
+    if tree:
+        phase = d.phase if d is not None else "forward"
+        phase = "named" if phase == "record" else phase  # "named records", not "record records"
+        lines.append("")
+        lines.append(f"{phase} records, step {d.step if d is not None else tree_step}:")
+        lines.extend(_tree_lines(tree))
+    return lines
 
 
 def _headroom_lines(headroom: Any) -> list[str]:

@@ -10,6 +10,24 @@ from twinstep.v1 import twinstep_pb2 as pb
 
 
 @dataclass(frozen=True)
+class CandidateSnapshot:
+    """One candidate's comparison against the baseline, for its own section of the report."""
+
+    run: str
+    framework: str
+    status: str
+    """running | aligned | diverged | incomplete, for this candidate alone (detect.coverage.candidate_verdict)."""
+    status_reasons: tuple[str, ...]
+    halted: bool
+    steps_compared: int
+    """On every rank."""
+    first: Candidate | None
+    last_comparison: StepComparison | None
+    coverage: str
+    """Its Coverage.summary."""
+
+
+@dataclass(frozen=True)
 class SessionSnapshot:
     """Everything a Report says about one session at one moment.
 
@@ -41,3 +59,9 @@ class SessionSnapshot:
     """Live capture changes asked of the runs (twinstep.server.control)."""
     tensor_steps: tuple[pb.TensorSteps, ...] = ()
     """Per candidate rank: steps compared with full tensors."""
+    preflight: tuple[pb.PreflightFinding, ...] = ()
+    operations: tuple[pb.OperationFinding, ...] = ()
+    """Per capture of a module's operations and candidate rank: the first that differs (twinstep.server.ops)."""
+    """Differences between the baseline's training set-up and each candidate's (twinstep.server.preflight)."""
+    candidates: tuple[CandidateSnapshot, ...] = ()
+    """Per candidate run, in the order they joined: its own verdict and first divergence."""

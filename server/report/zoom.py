@@ -15,7 +15,7 @@ def zooms_to_dict(report: pb.Report) -> list[dict[str, Any]]:
          "sketch": w.spec.sketch, "every": w.spec.every or 1, "first_step": w.spec.first_step,
          "last_step": w.spec.last_step, "bundle_module": w.spec.bundle_module or None,
          "divergent_step": w.spec.divergent_step if w.spec.divergent_step >= 0 else None,
-         "reason": w.spec.reason, "runs": list(w.runs), "state": w.state}
+         "reason": w.spec.reason, "runs": list(w.runs), "state": w.state, "ops_module": w.spec.ops_module or None}
         for w in report.zooms
     ]
 
@@ -42,6 +42,8 @@ def zoom_lines(report: pb.Report) -> list[str]:
             every = f" every {spec.every}" if spec.every > 1 else ""
             modules = ", ".join(spec.modules[:8]) + (f" (+{len(spec.modules) - 8})" if len(spec.modules) > 8 else "")
             bundle = f"; reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else ""
+            if spec.ops_module:
+                bundle += f"; the operations of {spec.ops_module!r}"
             lines.append(f"  #{spec.id} {w.origin}: {modules or '(model)'} in {spec.capture}"
                          f"{' + sketch' if spec.sketch else ''}, {steps}{every}{bundle} "
                          f"(told: {', '.join(w.runs) or 'no run'}){'' if w.state == 'sent' else ' ' + w.state}")

@@ -5,6 +5,9 @@ is first asked where each rank is (HALT_PREPARE, answered by HaltAck), then
 every rank is told to halt one step past the furthest, so none is left waiting
 in a collective.  Answers are awaited on a thread of its own, never under the
 session's lock, and for at most ``prepare_timeout`` seconds.
+
+With several candidates, a candidate can be halted alone (:meth:`HaltCoordinator.halt_one_run`):
+the baseline keeps going for the candidates still within tolerance.
 """
 
 from __future__ import annotations
@@ -37,6 +40,26 @@ class HaltCoordinator:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._acks: dict[int, dict[int, int]] = {}
+        self.runs_halted: dict[str, str] = {}
+        """Runs halted alone, each with its reason (the session's other runs went on)."""
+
+    def reason_for(self, run: str) -> str | None:
+        """Why a stream of ``run`` that joins now must halt at once; None when it may go on."""
+        with self._cond:
+            if self.halted:
+                return self.reason
+            return self.runs_halted.get(run)
+
+    def halt_one_run(self, run: str, world_size: int, conns: list[Connection], reason: str) -> bool:
+        """Halt one run and not the session; False when it (or the session) already was."""
+        with self._cond:
+            if self.halted or run in self.runs_halted:
+                return False
+            self.runs_halted[run] = reason
+        logger.warning("session %s: halting run %r (the other runs go on): %s", self.session, run, reason)
+        if conns:
+            self._halt_run(run, world_size, conns, reason, None)
+        return True
 
     def start(self, reason: str) -> bool:
         """Mark the session halted; False when it already was (a halt happens once)."""
@@ -58,17 +81,20 @@ class HaltCoordinator:
             if not conns:
                 continue
             told.append(run)
-            if at_step is not None:
-                for conn in conns:
-                    conn.send(halt_command(at_step, self.reason))
-                self._announce(pb.HaltNotice(reason=self.reason, run=run, at_step=at_step))
-            elif len(conns) == 1 and world_size == 1:
-                conns[0].send(halt_command(-1, self.reason))
-                self._announce(pb.HaltNotice(reason=self.reason, run=run, at_step=-1))
-            else:
-                threading.Thread(target=self._coordinate, args=(run, conns, self.reason), name="twinstep-halt",
-                                 daemon=True).start()
+            self._halt_run(run, world_size, conns, self.reason, at_step)
         return told
+
+    def _halt_run(self, run: str, world_size: int, conns: list[Connection], reason: str, at_step: int | None) -> None:
+        if at_step is not None:
+            for conn in conns:
+                conn.send(halt_command(at_step, reason))
+            self._announce(pb.HaltNotice(reason=reason, run=run, at_step=at_step))
+        elif len(conns) == 1 and world_size == 1:
+            conns[0].send(halt_command(-1, reason))
+            self._announce(pb.HaltNotice(reason=reason, run=run, at_step=-1))
+        else:
+            threading.Thread(target=self._coordinate, args=(run, conns, reason), name="twinstep-halt",
+                             daemon=True).start()
 
     def ack(self, conn: Connection, ack: pb.HaltAck) -> None:
         with self._cond:

@@ -28,7 +28,7 @@ from twinstep.server.view.tree import module_tree
 from twinstep.server.view.wire import merge_columns
 from twinstep.v1 import twinstep_pb2 as pb
 
-VIEW_VERSION = "1.0"
+VIEW_VERSION = "1.1"
 LOG10_MIN, LOG10_MAX = -3.0, 3.0
 #: Codes from here up are beyond tolerance.
 OVER = 129
@@ -62,6 +62,7 @@ def build_view(report: pb.Report, history: HistoryCopy | None, live: LiveFacts |
         "report": report_json,
         "progress": _progress(report, live),
         "divergence": _divergence(report_json),
+        "candidates": [_candidate(section) for section in report_json["candidates"]],
         "heatmap": {
             "metrics": list(METRICS),
             "scale": {"log10_min": LOG10_MIN, "log10_max": LOG10_MAX, "over_from": OVER},
@@ -125,6 +126,18 @@ def _divergence(report: dict[str, Any]) -> dict[str, Any] | None:
         "stage": report["stage"],
         "culprit": report["culprit"],
         "tree": [{**row, "depth": depth} for row, depth in zip(tree["rows"], depths)],
+    }
+
+
+def _candidate(section: dict[str, Any]) -> dict[str, Any]:
+    """One candidate's panel (three-way sessions show one each): its verdict and its own first divergence."""
+    return {
+        "run": section["candidate_run"],
+        "framework": section["framework"],
+        "status": section["status"],
+        "halted": section["halted"],
+        "steps_compared": section["steps_compared"],
+        "divergence": _divergence(section),
     }
 
 

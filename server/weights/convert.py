@@ -4,7 +4,9 @@ Matching follows the comparator's join (twinstep.server.compare.join), so that
 the parameters loaded are the ones later compared: fused rules first (a fused
 candidate parameter is built from the baseline's parts; a candidate part is
 cut out of a fused baseline parameter), then names after the session's
-mapping (exact, prefix, regex, msprobe layer_mapping).  Automatic matching
+mapping (exact, prefix, regex, msprobe layer_mapping), on canonical names
+(MindSpore's ``gamma``/``beta``/``embedding_table`` are torch's
+``weight``/``bias``/``weight``: twinstep.layouts, as in the join).  Automatic matching
 is not used: it aligns the statistics of a compared step, and there is none
 before the first step.  Layouts come from the framework and the owning
 module's type (twinstep.layouts), never from shapes, so square weights are
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, storage_dtype
+from twinstep.layouts import canonical_parameter_name
 from twinstep.server.compare import layout
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.v1 import twinstep_pb2 as pb
@@ -53,6 +56,15 @@ class Param:
     def local(self) -> str:
         """The name within its owning module (``weight``, ``bias``), which follows it through fused rules."""
         return self.name[len(self.module) + 1:] if self.module and self.name.startswith(self.module + ".") else self.name
+
+    @property
+    def canonical(self) -> str:
+        """The name with torch's local name (a MindSpore LayerNorm's ``gamma`` is ``weight``): what is matched."""
+        return canonical_parameter_name(self.module_type, self.name)
+
+    @property
+    def canonical_local(self) -> str:
+        return canonical_parameter_name(self.module_type, self.local)
 
 
 @dataclass(frozen=True)
@@ -122,8 +134,8 @@ def build_plan(base_framework: str, base: Sequence[Param], cand_framework: str, 
                mapping: NameMapping) -> WeightPlan:
     """Match every candidate parameter to baseline parameters and check that their shapes make it up."""
     plan = WeightPlan()
-    base_by_name = {p.name: p for p in base}
-    cand_by_name = {p.name: p for p in cand}
+    base_by_name = {p.canonical: p for p in base}
+    cand_by_name = {p.canonical: p for p in cand}
     loads: dict[int, Load] = {}  # by the candidate parameter's id
     claimed: set[int] = set()  # candidate parameters a fused rule spoke for (loaded, or a problem)
 
@@ -136,7 +148,7 @@ def build_plan(base_framework: str, base: Sequence[Param], cand_framework: str, 
         if matched is None:
             continue
         rule, modules = matched
-        names = [_join(module, c.local) for module in modules]
+        names = [_join(module, c.canonical_local) for module in modules]
         found = [base_by_name.get(name) for name in names]
         if not any(found):
             continue  # e.g. a fused bias where the baseline's parts have none: named matching decides
@@ -167,7 +179,7 @@ def build_plan(base_framework: str, base: Sequence[Param], cand_framework: str, 
         if matched is None:
             continue
         rule, modules = matched
-        names = [_join(module, b.local) for module in modules]
+        names = [_join(module, b.canonical_local) for module in modules]
         found = [cand_by_name.get(name) for name in names]
         if not any(found):
             continue
@@ -198,7 +210,7 @@ def build_plan(base_framework: str, base: Sequence[Param], cand_framework: str, 
     for c in cand:  # every other parameter: by name, after the mapping
         if c.id in claimed or c.id in loads:
             continue
-        b = base_by_name.get(mapping.to_baseline(c.name))
+        b = base_by_name.get(canonical_parameter_name(c.module_type, mapping.to_baseline(c.name)))
         if b is None:
             plan.no_counterpart.append(c.name)
             continue

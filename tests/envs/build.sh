@@ -11,8 +11,8 @@
 #   latest          3.11  newest numpy 2.x, torch 2.13, paddle 3.3, transformers + paddleformers
 #                         --no-deps (numpy stays 2.x)
 #   paddleformers   3.11  the ordinary paddle user's install: paddleformers with its dependencies,
-#                         so numpy stays at 1.26.4 (fast_dataindex pins it)
-#   oldest          3.10  the lowest versions twinstep claims
+#                         so numpy stays at 1.26.4 (fast_dataindex pins it); MindSpore 2.10
+#   oldest          3.10  the lowest versions twinstep claims (MindSpore 2.7)
 #   newest-python   3.13  the newest Python that torch and paddle ship wheels for
 #
 # Every install runs with `-c LEG.txt` (pip constraints), so nothing can drift: a version
@@ -54,9 +54,11 @@ recipe() {  # the leg's installs before the project itself; "$@" are pip's const
             pip_install "$@" numpy torch paddlepaddle transformers colorlog aistudio-sdk ml_dtypes omegaconf
             pip_install "$@" --no-deps paddleformers ;;
         paddleformers)
-            # what a paddle user types; its dependencies bring numpy 1.26.4
-            pip_install "$@" torch paddlepaddle paddleformers transformers ;;
-        oldest|newest-python)
+            # what a paddle user types; its dependencies bring numpy 1.26.4 (and MindSpore, numpy 1.x only)
+            pip_install "$@" torch paddlepaddle paddleformers transformers mindspore ;;
+        oldest)
+            pip_install "$@" numpy torch paddlepaddle mindspore grpcio protobuf zstandard numba pyyaml ;;
+        newest-python)
             pip_install "$@" numpy torch paddlepaddle grpcio protobuf zstandard numba pyyaml ;;
     esac
 }
@@ -169,7 +171,7 @@ echo "$leg: built in ${elapsed}s, $size, python $pyver"
 "$vpy" - <<'EOF'
 from importlib.metadata import version, PackageNotFoundError
 out = []
-for name in ("numpy", "torch", "paddlepaddle", "grpcio", "protobuf", "zstandard", "numba", "pyyaml",
+for name in ("numpy", "torch", "paddlepaddle", "mindspore", "grpcio", "protobuf", "zstandard", "numba", "pyyaml",
              "transformers", "paddleformers"):
     try:
         out.append(f"{name}=={version(name)}")

@@ -284,7 +284,10 @@ def test_webhooks_post_divergence_halt_lost_run_and_capture_failure_as_json(worl
         assert body["schema"] == "twinstep.webhook/v1" and body["version"] == 1
         assert body["server"] == world["handle"].address and body["summary"]
         by_event.setdefault(body["event"], []).append(body)
-    assert set(by_event) == {"divergence", "halt", "lost_run", "capture_failure"}, bodies
+    # The candidate's tanh GELU is also a set-up difference, posted before its first step (preflight).
+    assert set(by_event) == {"divergence", "halt", "lost_run", "capture_failure", "preflight"}, bodies
+    (preflight,) = by_event["preflight"]
+    assert preflight["alert"]["run"] == "paddle" and "layers.1.mlp.act" in preflight["alert"]["message"], preflight
 
     (divergence,) = by_event["divergence"]
     d, first = divergence["divergence"], report.first_divergence
@@ -330,7 +333,11 @@ def test_a_receiver_failing_twice_gets_the_event_on_the_third_try(world):
 
 def test_an_unreachable_receiver_is_retried_then_given_up_and_counted(world):
     down = next(r for r in world["handle"].webhooks.receivers if r.config.url.endswith("/down"))
-    wait_for(lambda: down.counts()["failed"] >= 5 and down.counts()["queued"] == 0, timeout=60)
+    # Every event the /json receiver (also all events) got: the divergence, two halts, a lost run, a capture
+    # failure and a preflight finding.
+    events = len(world["receiver"].bodies("/json"))
+    assert events >= 6
+    wait_for(lambda: down.counts()["failed"] >= events and down.counts()["queued"] == 0, timeout=60)
     counts = down.counts()
     assert counts["sent"] == 0 and counts["retries"] == counts["failed"]  # max_attempts=2
     text = collect_text(world["handle"].registry, world["handle"].webhooks).decode()

@@ -77,6 +77,8 @@ def test_demo_finds_the_bug_and_halts_both_jobs():
     live = out.stdout.split("\nsession 'demo':")[0]
     assert live.count("HALT") == 1 and live.count("divergence at step 0") == 1, live
     assert not re.search(r"\b(INFO|WARNING)\b", live + out.stderr), live + out.stderr
+    # The bug is a set-up difference too: told before the first step is compared (preflight).
+    assert "[demo] PREFLIGHT run 'paddle': activation differs: baseline gelu, candidate 'paddle' gelu_tanh" in live, live
 
 
 def test_demo_without_bug_stays_aligned():

@@ -256,3 +256,21 @@ def test_kept_reports_hold_what_the_dashboard_showed(server, browser, streaming,
     assert _css(browser, "canvas.heatmap[data-run='paddle']") is not None
     fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert not [name for name in fetched if name.startswith(("http:", "https:"))], fetched
+
+
+def test_several_candidates_get_a_divergence_part_each(browser, tmp_path):
+    """Three-way sessions: the first-divergence panel has one part per candidate, each with its own verdict."""
+    from tests.unit_tests.test_report_candidates import _three_way
+    from twinstep.server.report.builder import build_report
+    from twinstep.server.view.model import build_view
+    from twinstep.server.view.page import render_frozen
+
+    page = tmp_path / "three.html"
+    page.write_text(render_frozen(build_view(build_report(_three_way()), None)))
+    browser.get(page.as_uri())
+    bad = _wait(lambda: _css(browser, '#divergence .candidate-divergence[data-run="bad"]'), 20, "the part of 'bad'")
+    good = _css(browser, '#divergence .candidate-divergence[data-run="good"]')
+    assert "candidate bad (paddle): DIVERGED, halted, 4 step(s) compared" in bad.text
+    assert "step 3" in bad.text and "backward" in bad.text and "DIVERGED ◀ first" in bad.text
+    assert "candidate good (mindspore): ALIGNED" in good.text
+    assert "None: every compared step is within tolerance." in good.text

@@ -29,11 +29,15 @@ DETERMINISTIC = {"TWINSTEP_JIT": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS":
 
 
 def comparable(report: pb.Report) -> dict:
-    """Everything but timings: the wall time capture waited at step boundaries (the candidate ran twice)."""
+    """Everything but timings (the wall time capture waited at step boundaries: the candidate ran twice) and
+    auto_ops' capture of a module's operations after the divergence: a live baseline can be asked for it, a
+    recording holds only what was captured (docs/recording.md), so only the live pair asks."""
     data = report_to_dict(report)
     for run in data["runs"]:
         if run.get("capture_cost"):
             run["capture_cost"].pop("boundary_seconds")
+    data["zooms"] = [z for z in data.get("zooms", []) if z.get("origin") != "auto-ops"]
+    data.pop("operations", None)
     return data
 
 

@@ -96,3 +96,53 @@ CASES = (
     + [PortCase(m, bug, _expected(bug, m)) for bug in (*DETECTABLE, "custom_backward", "batch_order") for m in models.MODEL_NAMES]
     + [PortCase(m, bug, _expected(bug, m), reference=True) for bug in NEED_REFERENCE for m in models.MODEL_NAMES]
 )
+
+
+# ------------------------------------------------------------------ MindSpore candidate
+# transformers' Phi3 (torch, the baseline) against the MindSpore port of tests/ports/mindspore_phi3.py
+# (issue 19). The port names its modules as transformers does, so no mapping is needed.
+
+def mindspore_job_commands(model: str, server: str, session: str, steps: int, tmp: str, bug: str | None = None,
+                           capture: str = "stats", reference: bool = False) -> list[list[str]]:
+    """job_commands with the MindSpore port (tests.ports.mindspore_job) as the candidate."""
+    commands = job_commands(model, server, session, steps, tmp, None, capture, reference)
+    cand = [sys.executable, "-m", "tests.ports.mindspore_job", *commands[1][3:]] + (["--bug", bug] if bug else [])
+    return [commands[0], cand, *commands[2:]]
+
+
+def run_mindspore_pair(server: str, session: str, model: str, steps: int, bug: str | None = None,
+                       capture: str = "stats", reference: bool = False) -> list[str]:
+    """run_pair with the MindSpore port as the candidate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for cmd in mindspore_job_commands(model, server, session, steps, tmp, bug, capture, reference)]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outputs):
+            if p.returncode != 0:
+                raise RuntimeError(f"job failed ({p.returncode}):\n{out[-3000:]}")
+        return outputs
+
+
+@dataclass
+class MindSporePortCase(PortCase):
+    @property
+    def name(self) -> str:
+        return "mindspore " + super().name
+
+    def commands(self, server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
+        return mindspore_job_commands(self.model, server, session, steps, tmp, self.bug, reference=self.reference)
+
+
+def _expected_mindspore(bug: str) -> tuple[int, str, str]:
+    step, phase, module, _ = models.EXPECTED_ORIGIN_MINDSPORE[bug]
+    return step, phase, module if phase == "forward" else "*"
+
+
+#: The corpus of the MindSpore port: bugs found at their origin on default tolerances, then the
+#: one that needs the baseline's own noise band (a reference rerun), as for paddle.
+MINDSPORE_DETECTABLE = ("norm_eps", "act_variant", "untransposed", "lr", "custom_backward", "batch_order")
+MINDSPORE_CASES = (
+    [MindSporePortCase("phi3", None, None)]
+    + [MindSporePortCase("phi3", bug, _expected_mindspore(bug)) for bug in MINDSPORE_DETECTABLE]
+    + [MindSporePortCase("phi3", "wd_on_norms", _expected_mindspore("wd_on_norms"), reference=True)]
+)

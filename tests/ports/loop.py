@@ -80,6 +80,10 @@ def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None
             trainer.model, session=args.session, run=args.run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep,
             share_weights=args.share_weights or None, init_from_baseline=args.init_from_baseline or None,
+            # A MindSpore trainer hands twinstep its optimizer, where its gradients are captured.
+            # Every trainer's optimizer: its set-up is diffed before step 0 (preflight, docs/preflight.md).
+            **{"optimizer": getattr(trainer, "opt", None),
+               **(trainer.attach_options() if hasattr(trainer, "attach_options") else {})},
         )
         halted_type = twinstep.Halted
 

@@ -22,6 +22,7 @@ EXAMPLES = [
     frames.Forget(3),
     frames.Manifest((b"m1", b"m2"), (b"p1",)),
     frames.Health(b"health"),
+    frames.Setup(b"setup"),
     frames.Missing(7, "capture_failed", "ValueError: x"),
     frames.Batch({"step": 7, "dims": [2, 3], "phase": np.arange(3, dtype=np.int32)},
                  (frames.SharedTensor((0, 2), "float32", 24, 3, "<f4", (2, 3)),

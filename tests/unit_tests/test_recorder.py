@@ -226,7 +226,7 @@ def test_an_unreadable_output_is_counted_and_its_siblings_still_recorded(framewo
 
 
 def test_attach_refuses_other_objects():
-    with pytest.raises(TypeError, match="expected a torch.nn.Module or a paddle.nn.Layer"):
+    with pytest.raises(TypeError, match="expected a torch.nn.Module, a paddle.nn.Layer or a mindspore.nn.Cell"):
         backend_for(object())
 
 

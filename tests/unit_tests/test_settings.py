@@ -117,7 +117,7 @@ def test_a_missing_file_is_named(tmp_path):
 
 
 def test_every_attach_parameter_is_a_setting():
-    parameters = set(inspect.signature(attach).parameters) - {"model", "config"}
+    parameters = set(inspect.signature(attach).parameters) - settings.ARGUMENT_ONLY
     assert parameters == set(settings.BY_NAME)
     assert all(inspect.signature(attach).parameters[name].default is None for name in parameters)
 

@@ -192,3 +192,35 @@ def test_unfuse_inverts_fuse(groups):
     fused = layout.fuse(parts, -1, groups)
     for got, want in zip(layout.unfuse(fused, -1, groups, [16, 8, 8]), parts):
         np.testing.assert_array_equal(got, want)
+
+
+def mindspore_block() -> list[Param]:
+    """A MindSpore block as its cells name it: Dense [out, in], LayerNorm gamma/beta, Embedding's table."""
+    return [Param(0, "embed.embedding_table", "embed", "Embedding", (10, 4), "float32"),
+            Param(1, "ln.gamma", "ln", "LayerNorm", (4,), "float32"), Param(2, "ln.beta", "ln", "LayerNorm", (4,), "float32"),
+            Param(3, "fc.weight", "fc", "Dense", (4, 4), "float32"), Param(4, "fc.bias", "fc", "Dense", (4,), "float32")]
+
+
+def torch_block(module_type: str = "Linear") -> list[Param]:
+    return [Param(0, "embed.weight", "embed", "Embedding", (10, 4), "float32"),
+            Param(1, "ln.weight", "ln", "LayerNorm", (4,), "float32"), Param(2, "ln.bias", "ln", "LayerNorm", (4,), "float32"),
+            Param(3, "fc.weight", "fc", module_type, (4, 4), "float32"), Param(4, "fc.bias", "fc", module_type, (4,), "float32")]
+
+
+@pytest.mark.parametrize(("base_framework", "cand_framework"), [("torch", "mindspore"), ("mindspore", "torch"),
+                                                                ("paddle", "mindspore"), ("mindspore", "paddle")])
+def test_mindspore_names_match_torchs_with_no_rule_and_only_paddles_linear_is_transposed(base_framework, cand_framework):
+    """gamma/beta/embedding_table are weight/bias/weight (twinstep.layouts), in either direction, as the join has it."""
+    sides = {"torch": torch_block(), "paddle": torch_block("Linear"), "mindspore": mindspore_block()}
+    base, cand = sides[base_framework], sides[cand_framework]
+    rng = np.random.default_rng(0)
+    state = {p.name: rng.standard_normal(p.shape).astype(np.float32) for p in base}
+    plan = build_plan(base_framework, base, cand_framework, cand, NameMapping())
+    assert plan.problems == [] and plan.no_counterpart == [] and plan.unused == []
+    got = run_plan(plan, base, state)
+    flip = "paddle" in (base_framework, cand_framework)  # a Dense is [out, in] like torch's Linear
+    for b, c in zip(base, cand):  # both blocks list their parameters in the same order
+        want = state[b.name].T if flip and c.name == "fc.weight" else state[b.name]
+        np.testing.assert_array_equal(got[c.name], want, err_msg=c.name)
+    assert {load.target.name: [s.name for s in load.sources] for load in plan.loads} == {
+        c.name: [b.name] for b, c in zip(base, cand)}

@@ -188,7 +188,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost", "record_names")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost", "record_names", "ops")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class StepRecords(_message.Message):
     INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     RECORD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -228,7 +229,54 @@ class StepRecords(_message.Message):
     incomplete: _containers.RepeatedScalarFieldContainer[Phase]
     cost: CaptureCost
     record_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., record_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    ops: OpTrace
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., record_names: _Optional[_Iterable[str]] = ..., ops: _Optional[_Union[OpTrace, _Mapping]] = ...) -> None: ...
+
+class OpTensor(_message.Message):
+    __slots__ = ("dtype", "shape", "stats", "values")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stats: _containers.RepeatedScalarFieldContainer[float]
+    values: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., stats: _Optional[_Iterable[float]] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class OpCall(_message.Message):
+    __slots__ = ("op", "api", "file", "line", "code", "inputs", "output")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    api: str
+    file: str
+    line: int
+    code: str
+    inputs: _containers.RepeatedScalarFieldContainer[int]
+    output: OpTensor
+    def __init__(self, op: _Optional[str] = ..., api: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., code: _Optional[str] = ..., inputs: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[OpTensor, _Mapping]] = ...) -> None: ...
+
+class OpTrace(_message.Message):
+    __slots__ = ("zoom_id", "module", "calls", "externals", "calls_dropped", "error")
+    ZOOM_ID_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    EXTERNALS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    zoom_id: int
+    module: str
+    calls: _containers.RepeatedCompositeFieldContainer[OpCall]
+    externals: _containers.RepeatedCompositeFieldContainer[OpTensor]
+    calls_dropped: int
+    error: str
+    def __init__(self, zoom_id: _Optional[int] = ..., module: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[OpCall, _Mapping]]] = ..., externals: _Optional[_Iterable[_Union[OpTensor, _Mapping]]] = ..., calls_dropped: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CaptureCost(_message.Message):
     __slots__ = ("bytes_captured", "bytes_read", "stats_offloaded", "stats_inline", "boundary_us", "steps")
@@ -351,7 +399,7 @@ class HaltAck(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., current_step: _Optional[int] = ...) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "manifest", "step", "close", "halt_ack", "tensor", "health")
+    __slots__ = ("hello", "manifest", "step", "close", "halt_ack", "tensor", "health", "setup")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +407,7 @@ class ClientMessage(_message.Message):
     HALT_ACK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     manifest: Manifest
     step: StepRecords
@@ -366,7 +415,84 @@ class ClientMessage(_message.Message):
     halt_ack: HaltAck
     tensor: TensorPiece
     health: CaptureHealth
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ..., tensor: _Optional[_Union[TensorPiece, _Mapping]] = ..., health: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
+    setup: Setup
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., step: _Optional[_Union[StepRecords, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., halt_ack: _Optional[_Union[HaltAck, _Mapping]] = ..., tensor: _Optional[_Union[TensorPiece, _Mapping]] = ..., health: _Optional[_Union[CaptureHealth, _Mapping]] = ..., setup: _Optional[_Union[Setup, _Mapping]] = ...) -> None: ...
+
+class Setup(_message.Message):
+    __slots__ = ("rank", "framework", "values", "groups", "modules", "warnings", "digest")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    framework: str
+    values: _containers.RepeatedCompositeFieldContainer[SetupValue]
+    groups: _containers.RepeatedCompositeFieldContainer[ParameterGroup]
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleSetup]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    digest: str
+    def __init__(self, rank: _Optional[int] = ..., framework: _Optional[str] = ..., values: _Optional[_Iterable[_Union[SetupValue, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[ParameterGroup, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleSetup, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class SetupValue(_message.Message):
+    __slots__ = ("category", "key", "number", "text", "flag", "derived")
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FLAG_FIELD_NUMBER: _ClassVar[int]
+    DERIVED_FIELD_NUMBER: _ClassVar[int]
+    category: str
+    key: str
+    number: float
+    text: str
+    flag: bool
+    derived: bool
+    def __init__(self, category: _Optional[str] = ..., key: _Optional[str] = ..., number: _Optional[float] = ..., text: _Optional[str] = ..., flag: _Optional[bool] = ..., derived: _Optional[bool] = ...) -> None: ...
+
+class ParameterGroup(_message.Message):
+    __slots__ = ("values", "parameters", "parameters_unlisted")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[SetupValue]
+    parameters: _containers.RepeatedScalarFieldContainer[str]
+    parameters_unlisted: int
+    def __init__(self, values: _Optional[_Iterable[_Union[SetupValue, _Mapping]]] = ..., parameters: _Optional[_Iterable[str]] = ..., parameters_unlisted: _Optional[int] = ...) -> None: ...
+
+class ModuleSetup(_message.Message):
+    __slots__ = ("name", "type", "values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    values: _containers.RepeatedCompositeFieldContainer[SetupValue]
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., values: _Optional[_Iterable[_Union[SetupValue, _Mapping]]] = ...) -> None: ...
+
+class PreflightFinding(_message.Message):
+    __slots__ = ("candidate_run", "category", "key", "baseline", "candidate", "affects", "affects_unlisted", "message", "severity")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    AFFECTS_FIELD_NUMBER: _ClassVar[int]
+    AFFECTS_UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    category: str
+    key: str
+    baseline: str
+    candidate: str
+    affects: _containers.RepeatedScalarFieldContainer[str]
+    affects_unlisted: int
+    message: str
+    severity: str
+    def __init__(self, candidate_run: _Optional[str] = ..., category: _Optional[str] = ..., key: _Optional[str] = ..., baseline: _Optional[str] = ..., candidate: _Optional[str] = ..., affects: _Optional[_Iterable[str]] = ..., affects_unlisted: _Optional[int] = ..., message: _Optional[str] = ..., severity: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("protocol_version", "last_step_received", "lossy", "max_step_tensor_bytes")
@@ -430,7 +556,7 @@ class Command(_message.Message):
     def __init__(self, kind: _Optional[_Union[Command.Kind, str]] = ..., reason: _Optional[str] = ..., at_step: _Optional[int] = ..., request_id: _Optional[int] = ..., zoom: _Optional[_Union[ZoomSpec, _Mapping]] = ...) -> None: ...
 
 class ZoomSpec(_message.Message):
-    __slots__ = ("id", "modules", "capture", "sketch", "every", "first_step", "last_step", "bundle_module", "divergent_step", "reason")
+    __slots__ = ("id", "modules", "capture", "sketch", "every", "first_step", "last_step", "bundle_module", "divergent_step", "reason", "ops_module")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +567,7 @@ class ZoomSpec(_message.Message):
     BUNDLE_MODULE_FIELD_NUMBER: _ClassVar[int]
     DIVERGENT_STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OPS_MODULE_FIELD_NUMBER: _ClassVar[int]
     id: int
     modules: _containers.RepeatedScalarFieldContainer[str]
     capture: str
@@ -451,7 +578,8 @@ class ZoomSpec(_message.Message):
     bundle_module: str
     divergent_step: int
     reason: str
-    def __init__(self, id: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., capture: _Optional[str] = ..., sketch: _Optional[bool] = ..., every: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., bundle_module: _Optional[str] = ..., divergent_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    ops_module: str
+    def __init__(self, id: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., capture: _Optional[str] = ..., sketch: _Optional[bool] = ..., every: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., bundle_module: _Optional[str] = ..., divergent_step: _Optional[int] = ..., reason: _Optional[str] = ..., ops_module: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("welcome", "credit", "command", "event")
@@ -526,7 +654,7 @@ class RankHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., capture: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
 
 class Divergence(_message.Message):
-    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary")
+    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary", "origin", "crossed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -540,6 +668,8 @@ class Divergence(_message.Message):
     GAPS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     AFTER_GAP_FIELD_NUMBER: _ClassVar[int]
     GAPS_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    CROSSED_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     phase: str
@@ -553,7 +683,43 @@ class Divergence(_message.Message):
     gaps_before: _containers.RepeatedCompositeFieldContainer[Gap]
     after_gap: bool
     gaps_summary: str
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ...) -> None: ...
+    origin: OriginEvidence
+    crossed: ToleranceCrossing
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ..., origin: _Optional[_Union[OriginEvidence, _Mapping]] = ..., crossed: _Optional[_Union[ToleranceCrossing, _Mapping]] = ...) -> None: ...
+
+class OriginEvidence(_message.Message):
+    __slots__ = ("evidence", "rule", "ratio", "evidence_step", "involved", "involved_total")
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    INVOLVED_FIELD_NUMBER: _ClassVar[int]
+    INVOLVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    evidence: str
+    rule: str
+    ratio: float
+    evidence_step: int
+    involved: _containers.RepeatedScalarFieldContainer[str]
+    involved_total: int
+    def __init__(self, evidence: _Optional[str] = ..., rule: _Optional[str] = ..., ratio: _Optional[float] = ..., evidence_step: _Optional[int] = ..., involved: _Optional[_Iterable[str]] = ..., involved_total: _Optional[int] = ...) -> None: ...
+
+class ToleranceCrossing(_message.Message):
+    __slots__ = ("step", "rank", "phase", "module", "metric", "value", "tolerance")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    phase: str
+    module: str
+    metric: str
+    value: float
+    tolerance: float
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ...) -> None: ...
 
 class Gap(_message.Message):
     __slots__ = ("run", "rank", "first_step", "last_step", "phase", "reason")
@@ -738,7 +904,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ..., coverage: _Optional[str] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage", "records", "batch_sync", "zooms", "tensor_steps")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage", "records", "batch_sync", "zooms", "tensor_steps", "preflight", "operations", "candidates")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -760,6 +926,9 @@ class Report(_message.Message):
     BATCH_SYNC_FIELD_NUMBER: _ClassVar[int]
     ZOOMS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -781,7 +950,94 @@ class Report(_message.Message):
     batch_sync: BatchSync
     zooms: _containers.RepeatedCompositeFieldContainer[ZoomWindow]
     tensor_steps: _containers.RepeatedCompositeFieldContainer[TensorSteps]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[NamedRecord, _Mapping]]] = ..., batch_sync: _Optional[_Union[BatchSync, _Mapping]] = ..., zooms: _Optional[_Iterable[_Union[ZoomWindow, _Mapping]]] = ..., tensor_steps: _Optional[_Iterable[_Union[TensorSteps, _Mapping]]] = ...) -> None: ...
+    preflight: _containers.RepeatedCompositeFieldContainer[PreflightFinding]
+    operations: _containers.RepeatedCompositeFieldContainer[OperationFinding]
+    candidates: _containers.RepeatedCompositeFieldContainer[CandidateReport]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[NamedRecord, _Mapping]]] = ..., batch_sync: _Optional[_Union[BatchSync, _Mapping]] = ..., zooms: _Optional[_Iterable[_Union[ZoomWindow, _Mapping]]] = ..., tensor_steps: _Optional[_Iterable[_Union[TensorSteps, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[PreflightFinding, _Mapping]]] = ..., operations: _Optional[_Iterable[_Union[OperationFinding, _Mapping]]] = ..., candidates: _Optional[_Iterable[_Union[CandidateReport, _Mapping]]] = ...) -> None: ...
+
+class CandidateReport(_message.Message):
+    __slots__ = ("candidate_run", "framework", "status", "status_reasons", "halted", "steps_compared", "first_divergence", "stage", "culprit", "tree", "tree_step", "coverage")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_REASONS_FIELD_NUMBER: _ClassVar[int]
+    HALTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPARED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    TREE_STEP_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    framework: str
+    status: str
+    status_reasons: _containers.RepeatedScalarFieldContainer[str]
+    halted: bool
+    steps_compared: int
+    first_divergence: Divergence
+    stage: str
+    culprit: str
+    tree: _containers.RepeatedCompositeFieldContainer[ModuleRow]
+    tree_step: int
+    coverage: str
+    def __init__(self, candidate_run: _Optional[str] = ..., framework: _Optional[str] = ..., status: _Optional[str] = ..., status_reasons: _Optional[_Iterable[str]] = ..., halted: _Optional[bool] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., culprit: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., tree_step: _Optional[int] = ..., coverage: _Optional[str] = ...) -> None: ...
+
+class OperationSite(_message.Message):
+    __slots__ = ("index", "op", "api", "file", "line", "code", "shape")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    op: str
+    api: str
+    file: str
+    line: int
+    code: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., op: _Optional[str] = ..., api: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., code: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OperationFinding(_message.Message):
+    __slots__ = ("candidate_run", "rank", "step", "module", "candidate_module", "zoom_id", "status", "baseline", "candidate", "metric", "value", "tolerance", "input_value", "ops_baseline", "ops_candidate", "ops_matched", "message")
+    CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_MODULE_FIELD_NUMBER: _ClassVar[int]
+    ZOOM_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    OPS_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    OPS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    OPS_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    candidate_run: str
+    rank: int
+    step: int
+    module: str
+    candidate_module: str
+    zoom_id: int
+    status: str
+    baseline: OperationSite
+    candidate: OperationSite
+    metric: str
+    value: float
+    tolerance: float
+    input_value: float
+    ops_baseline: int
+    ops_candidate: int
+    ops_matched: int
+    message: str
+    def __init__(self, candidate_run: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., zoom_id: _Optional[int] = ..., status: _Optional[str] = ..., baseline: _Optional[_Union[OperationSite, _Mapping]] = ..., candidate: _Optional[_Union[OperationSite, _Mapping]] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., input_value: _Optional[float] = ..., ops_baseline: _Optional[int] = ..., ops_candidate: _Optional[int] = ..., ops_matched: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ZoomWindow(_message.Message):
     __slots__ = ("spec", "origin", "runs", "state")
@@ -1220,7 +1476,7 @@ class LoadedWeight(_message.Message):
     def __init__(self, parameter: _Optional[int] = ..., name: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., transposed: _Optional[_Iterable[bool]] = ..., groups: _Optional[int] = ..., part: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., candidate_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ZoomRequest(_message.Message):
-    __slots__ = ("session", "modules", "capture", "sketch", "every", "steps", "from_step", "bundle", "reason")
+    __slots__ = ("session", "modules", "capture", "sketch", "every", "steps", "from_step", "bundle", "reason", "ops_module")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
@@ -1230,6 +1486,7 @@ class ZoomRequest(_message.Message):
     FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OPS_MODULE_FIELD_NUMBER: _ClassVar[int]
     session: str
     modules: _containers.RepeatedScalarFieldContainer[str]
     capture: str
@@ -1239,7 +1496,8 @@ class ZoomRequest(_message.Message):
     from_step: int
     bundle: bool
     reason: str
-    def __init__(self, session: _Optional[str] = ..., modules: _Optional[_Iterable[str]] = ..., capture: _Optional[str] = ..., sketch: _Optional[bool] = ..., every: _Optional[int] = ..., steps: _Optional[int] = ..., from_step: _Optional[int] = ..., bundle: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    ops_module: str
+    def __init__(self, session: _Optional[str] = ..., modules: _Optional[_Iterable[str]] = ..., capture: _Optional[str] = ..., sketch: _Optional[bool] = ..., every: _Optional[int] = ..., steps: _Optional[int] = ..., from_step: _Optional[int] = ..., bundle: _Optional[bool] = ..., reason: _Optional[str] = ..., ops_module: _Optional[str] = ...) -> None: ...
 
 class ZoomResponse(_message.Message):
     __slots__ = ("first_step", "last_step", "runs", "id")

@@ -267,12 +267,31 @@
     else if (view.report.halted) message.textContent = "The session is halted.";
   }
 
+  // One candidate: the session's first divergence. Several (three-way sessions): one part per candidate,
+  // each with its own verdict and first divergence against the baseline.
   function divergencePanel(view) {
-    var d = view.divergence;
-    var panel = el("section", {className: "panel", id: "divergence"}, [el("h2", {text: "First divergence"})]);
+    var candidates = view.candidates || [];
+    if (candidates.length < 2) {
+      var single = el("section", {className: "panel", id: "divergence"}, [el("h2", {text: "First divergence"})]);
+      fillDivergence(single, view.divergence, view.report.status, "");
+      return single;
+    }
+    var panel = el("section", {className: "panel", id: "divergence"}, [el("h2", {text: "First divergence, per candidate"})]);
+    candidates.forEach(function (c) {
+      var part = el("div", {className: "candidate-divergence", "data-run": c.run, "data-status": c.status}, [
+        el("h3", {text: "candidate " + c.run + " (" + c.framework + "): " + c.status.toUpperCase() +
+                        (c.halted ? ", halted" : "") + ", " + c.steps_compared + " step(s) compared"})]);
+      fillDivergence(part, c.divergence, c.status, c.run);
+      panel.appendChild(part);
+    });
+    return panel;
+  }
+
+  function fillDivergence(panel, d, status, run) {
+    var ids = run === "";  // element ids only on the single panel (several candidates would repeat them)
     if (!d) {
-      panel.appendChild(el("p", {className: "muted", text: view.report.status === "aligned" ? "None: every compared step is within tolerance." : "None so far."}));
-      return panel;
+      panel.appendChild(el("p", {className: "muted", text: status === "aligned" ? "None: every compared step is within tolerance." : "None so far."}));
+      return;
     }
     var f = d.first;
     panel.appendChild(el("p", {className: "headline"}, [
@@ -284,8 +303,8 @@
       f.metric + " " + fmt(f.value) + " > tolerance " + fmt(f.tolerance),
     ]));
     if (f.after_gap) panel.appendChild(el("p", {className: "bad", text: "After a gap: it may have begun where nothing was compared (" + (f.gaps_summary || "") + ")."}));
-    if (d.stage) panel.appendChild(el("p", {}, [el("span", {className: "label", text: "stage "}), el("span", {id: "stage", text: d.stage})]));
-    if (d.culprit) panel.appendChild(el("p", {}, [el("span", {className: "label", text: "culprit "}), el("span", {id: "culprit", text: d.culprit})]));
+    if (d.stage) panel.appendChild(el("p", {}, [el("span", {className: "label", text: "stage "}), el("span", ids ? {id: "stage", text: d.stage} : {className: "stage", text: d.stage})]));
+    if (d.culprit) panel.appendChild(el("p", {}, [el("span", {className: "label", text: "culprit "}), el("span", ids ? {id: "culprit", text: d.culprit} : {className: "culprit", text: d.culprit})]));
     if (d.tree.length) {
       var withNoise = d.tree.some(function (r) { return r.noise !== null; });
       var head = ["module", "type", "metric", "value", "tolerance"].concat(withNoise ? ["noise"] : []).concat(["growth", ""]);
@@ -303,13 +322,13 @@
           return el("tr", {className: r.first ? "first" : r.divergent ? "divergent" : "", "data-module": r.name}, cells);
         })),
       ]);
-      var details = el("details", {id: "tree", open: state.treeOpen === false ? undefined : true}, [
+      var treeKey = "treeOpen" + run;
+      var details = el("details", {id: ids ? "tree" : undefined, open: state[treeKey] === false ? undefined : true}, [
         el("summary", {text: "the " + f.phase + " phase at step " + f.step + " around it: " + d.tree.length + " module(s), with their growth (output error over input error)"}),
         table]);
-      details.addEventListener("toggle", function () { state.treeOpen = details.open; });
+      details.addEventListener("toggle", function () { state[treeKey] = details.open; });
       panel.appendChild(details);
     }
-    return panel;
   }
 
   // -- the heatmap -----------------------------------------------------------------------------
@@ -382,7 +401,8 @@
     if (row.end <= index + 1) return false;         // a leaf
     var key = collapseKey(candidate.run, row);
     if (key in state.collapsed) return state.collapsed[key];
-    var d = view.divergence;
+    var own = (view.candidates || []).filter(function (c) { return c.run === candidate.run; })[0];
+    var d = own ? own.divergence : view.divergence;  // unfold the path to this candidate's own divergence
     if (d && d.first.candidate_run === candidate.run && d.first.phase === row.phase) {
       var target = d.first.module;
       if (row.path === "" || target === row.path || target.indexOf(row.path + ".") === 0) return false;

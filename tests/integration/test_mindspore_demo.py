@@ -1,0 +1,44 @@
+"""A torch baseline and its MindSpore port (PyNative), each a real process, streaming to a real server.
+
+Skips where MindSpore is not installed (the legs without it) or runs with numpy 2
+(MindSpore's 2.x wheels are built against numpy 1.x: client/environment.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("mindspore") is None:
+    pytest.skip("MindSpore is not installed in this environment", allow_module_level=True)
+if int(np.__version__.split(".")[0]) >= 2:
+    pytest.skip("MindSpore's wheels are built against numpy 1.x; this environment has numpy "
+                f"{np.__version__}", allow_module_level=True)
+
+
+def test_faithful_mindspore_port_aligned_and_bug_found_at_its_step_phase_and_module(server, jobs):
+    # Both sessions at once, on one server: four real training processes.
+    faithful = (jobs("torch", server=server.address, session="ms-faithful", baseline=True, steps=8),
+                jobs("mindspore", server=server.address, session="ms-faithful", steps=8))
+    buggy = (jobs("torch", server=server.address, session="ms-gelu", baseline=True, steps=3),
+             jobs("mindspore", server=server.address, session="ms-gelu", bug="gelu_tanh", steps=3))
+    results = [job.wait() for job in (*faithful, *buggy)]
+    assert all(r.returncode == 0 for r in results), "\n".join(r.output for r in results)
+
+    report = server.report("ms-faithful")
+    assert report["status"] == "aligned", report
+    assert report["steps_compared"] == 8
+    runs = {r["name"]: r for r in report["runs"]}
+    assert runs["mindspore"]["framework"] == "mindspore" and runs["mindspore"]["dropped"] == 0
+    assert runs["mindspore"]["capture_health"] == []
+    # Every record joined: MindSpore's gamma/beta/embedding_table with torch's weight/bias, and every
+    # gradient and updated parameter (an absent MindSpore gradient would leave the baseline's unmatched).
+    assert report["unmatched"] == {"baseline": [], "candidate": []}, report["unmatched"]
+
+    first = server.report("ms-gelu")["first_divergence"]
+    assert first is not None
+    assert (first["step"], first["phase"], first["module"], first["candidate_run"]) == (
+        0, "forward", "layers.1.mlp.act", "mindspore")
+    assert first["value"] > first["tolerance"]
