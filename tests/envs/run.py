@@ -70,12 +70,17 @@ _NO_FAULTS_ARGS = ("--ignore=tests/integration/test_chaos.py", "--ignore=tests/i
                   # recordings are the server's files: as the journal, lowest and newest grpcio/protobuf
                   # (their unit tests run everywhere)
                   "--ignore=tests/integration/test_record_replay.py", *_LATEST_ONLY, *_EXTREMES_ONLY)
-_NOT_KILLED = ("-k", "not server_killed_mid_run")
+#: The server's edge behaviours (bad input and fuzzing, limits, TLS and tokens, policies, session status, the
+#: journal across restarts): server code, the same in every leg, over grpcio, protobuf and sqlite3, whose lowest
+#: and newest versions are in oldest and latest; not again where only numpy, paddleformers or Python differ
+#: (about 70 s a leg; their unit tests run everywhere).
+_SERVER_EDGE = tuple(f"--ignore=tests/integration/test_{name}.py" for name in (
+    "bad_input", "fuzz", "limits", "security", "server_policies", "session_status", "durable_sessions"))
 #: MindSpore (issue 19) is installed in the two numpy-1.x legs only (its wheels need numpy 1.x): paddleformers
 #: (MindSpore 2.10) and oldest (2.7).  The paddleformers leg also runs the MindSpore docs page, which the
 #: latest leg, where every other page runs, skips for want of MindSpore.
-_MINDSPORE_DOCS_TOO = ("-k", "(not test_docs or mindspore) and not server_killed_mid_run")
-_NO_FAULTS = (("unit", ()), ("integration", (*_NO_FAULTS_ARGS, *_NOT_KILLED)))
+_MINDSPORE_DOCS_TOO = ("-k", "not test_docs or mindspore")
+_NO_FAULTS = (("unit", ()), ("integration", (*_NO_FAULTS_ARGS, *_SERVER_EDGE)))
 
 #: In the order they run.  Why each runs what it runs: README, "Supported environments".
 LEGS = (
@@ -87,7 +92,7 @@ LEGS = (
         # and the MindSpore port (MindSpore needs numpy 1.x: this leg and oldest have it, oldest has no ports).
         (("unit", ()),
          ("integration", (*[a for a in _NO_FAULTS_ARGS if a != "--ignore=tests/integration/test_docs.py"],
-                          "--ignore=tests/integration/test_zero_code.py", *_MINDSPORE_DOCS_TOO)),
+                          "--ignore=tests/integration/test_zero_code.py", *_SERVER_EDGE, *_MINDSPORE_DOCS_TOO)),
          ("ports", ("-k", "faithful or phi3 or trainer or mindspore")))),
     Leg("oldest", "the lowest supported versions: Python 3.10, numpy 1.26.0, torch 2.4.1, paddle 3.0.0, grpcio 1.85.1",
         _ALL),

@@ -56,6 +56,9 @@ def parser(prog: str, description: str, framework: str) -> argparse.ArgumentPars
     p.add_argument("--lockstep", type=int, default=0, metavar="N",
                    help="wait while this run leads the other by N steps (0: never wait)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-for-runs", type=int, default=0, metavar="N",
+                   help="baseline: attach only once N other runs have joined the session (candidates that join "
+                        "after the baseline's steps went by find them released: docs/three-way.md)")
     p.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON summary here at exit")
     p.add_argument("--weights", required=True, metavar="PATH",
                    help="initial weights (.npz, torch names and layouts): written by the torch job, read by the paddle job")
@@ -67,6 +70,27 @@ def parser(prog: str, description: str, framework: str) -> argparse.ArgumentPars
     return p
 
 
+def wait_for_runs(server: str, session: str, runs: int, timeout: float = 600.0) -> None:
+    """Poll the server's report until ``runs`` runs have joined ``session`` (the test bed's several candidates)."""
+    import grpc
+
+    from twinstep.v1 import twinstep_pb2 as pb
+    from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(server) as channel:
+        stub = pb_grpc.TwinstepStub(channel)
+        while True:
+            try:
+                if len(stub.GetReport(pb.ReportRequest(session=session), timeout=10).runs) >= runs:
+                    return
+            except grpc.RpcError:
+                pass  # no such session yet
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{runs} run(s) did not join session {session!r} within {timeout:.0f}s")
+            time.sleep(0.2)
+
+
 def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None = None) -> int:
     """Train args.steps steps, optionally under twinstep; write args.result_file at the end."""
     prefix = f"[{args.run}]"
@@ -76,6 +100,8 @@ def run(args: argparse.Namespace, trainer: Trainer, extra: dict[str, Any] | None
     else:
         import twinstep
 
+        if args.wait_for_runs:
+            wait_for_runs(args.server, args.session, args.wait_for_runs)
         mon = twinstep.attach(
             trainer.model, session=args.session, run=args.run, baseline=args.baseline, reference=args.reference,
             server=args.server, capture=args.capture, sketch=args.sketch, lockstep=args.lockstep,

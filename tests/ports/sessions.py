@@ -31,8 +31,10 @@ def run_session(server: str, session: str, model: str, baseline_steps: int, cand
     with tempfile.TemporaryDirectory() as tmp:
         weights = f"{tmp}/{session}.npz"
         common = ["--model", model, "--server", server, "--session", session, "--weights", weights]
+        # The baseline attaches once every candidate has joined: a candidate joining after the baseline's
+        # first steps went by would find them released (docs/three-way.md).
         commands = {"torch": [sys.executable, "-m", "tests.ports.torch_job", "--baseline", *common,
-                              "--steps", str(baseline_steps)]}
+                              "--steps", str(baseline_steps), "--wait-for-runs", str(len(candidates))]}
         for c in candidates:
             commands[c.run] = [sys.executable, "-m", c.job, *common, "--run", c.run, "--steps", str(c.steps)]
             commands[c.run] += ["--bug", c.bug] if c.bug else []
