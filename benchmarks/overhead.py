@@ -1,6 +1,6 @@
 """Step-time overhead of twinstep's hooks, and of its peer msprobe's, measured in one run.
 
-    python benchmarks/overhead.py [--model demo|hf-llama|hf-phi3|pf-llama|pf-phi3]
+    python benchmarks/overhead.py [--model demo|hf-llama|hf-phi3|pf-llama|pf-phi3|ms-phi3 [...]]
                                   [--framework torch|paddle|both] [--hidden 256 [1024 ...]]
                                   [--threads N|all] [--steps 20] [--block 5] [--warmup 2]
                                   [--tensors] [--control] [--no-peer] [--sustained STEPS]
@@ -19,6 +19,9 @@ instead (issue 15):
 
     hf-llama, hf-phi3   transformers' LlamaForCausalLM / Phi3ForCausalLM (torch)
     pf-llama, pf-phi3   paddleformers' LlamaForCausalLM / Phi3ForCausalLM (paddle)
+    ms-phi3             the MindSpore port of transformers' Phi3 (MindSpore, PyNative;
+                        tests/ports/mindspore_phi3.py: no MindSpore model library builds
+                        here), trained with value_and_grad and experimental.optim.AdamW
 
 built from a config with the library's random initial weights (nothing is
 downloaded): 4 layers, hidden 256 (--hidden), 8 heads, intermediate 4x hidden,
@@ -26,12 +29,16 @@ seq 128, batch 8, a 1024-token vocabulary so that the LM head does not dominate,
 AdamW and next-token cross-entropy on seeded random token batches.
 benchmarks/overhead_models.py builds them and lists every setting.  A real
 model runs in its own library's framework only; each row's process imports only
-that framework and model library.  Every row attaches twinstep to the model as
+that framework and model library (MindSpore's thus never meets paddle's).
+``--model`` takes several names, one table each, e.g. ``--model hf-phi3
+pf-phi3 ms-phi3``.  Every row attaches twinstep to the model as
 a user would: ``twinstep.attach(model, session=..., run=..., server=...)``
 after building the model and its optimizer, ``mon.step(loss=loss)`` after
-``optimizer.step()``.
+``optimizer.step()`` (MindSpore: attached with ``optimizer=opt``, where the
+gradients arrive).
 
-The training uses one thread (torch.set_num_threads, OpenMP for paddle), so the
+The training uses one thread (torch.set_num_threads, OpenMP for paddle,
+mindspore.device_context.cpu.op_tuning.threads_num and OpenMP for MindSpore), so the
 rows and the server do not fight over cores and the ratios stay readable on a
 small machine; ``--threads N`` trains with N threads, ``--threads all`` with
 every core, as a user's training would: then the training shares its cores
@@ -209,7 +216,8 @@ class _Tool:
 
 
 class _Twinstep(_Tool):
-    def __init__(self, model: Any, framework: str, mode: str, server: str, sender: str = "auto") -> None:
+    def __init__(self, model: Any, framework: str, mode: str, server: str, sender: str = "auto",
+                 attach_options: dict[str, Any] | None = None) -> None:
         import twinstep
 
         capture, _, variant = mode.partition("-")
@@ -223,7 +231,7 @@ class _Twinstep(_Tool):
             raise RuntimeError(f"twinstep's compiled kernels did not load: {kernels.state()}")
         else:
             self.kernel = f"kernels loaded in {kernels.load_seconds():.1f} s"
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = dict(attach_options or {})  # MindSpore: the optimizer, where gradients arrive
         if variant == "inline":
             options["stats_workers"] = 0
         elif variant == "idle":
@@ -328,7 +336,8 @@ def _worker(conn: Connection, framework: str, cfg: Any, row: Row, server: str, w
         trainer, batch = _trainer(model, framework, cfg, threads)
         tool: _Tool
         if row.tool == "twinstep":
-            tool = _Twinstep(trainer.inner, framework, row.mode, server, row.sender)
+            options = trainer.attach_options() if hasattr(trainer, "attach_options") else {}
+            tool = _Twinstep(trainer.inner, framework, row.mode, server, row.sender, options)
         elif row.tool == "msprobe":
             tool = _Msprobe(trainer.inner, row.mode, workdir)
         else:
@@ -556,14 +565,15 @@ def report(framework: str, hidden: int, workers: list[Worker], summaries: dict[R
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("demo",) + overhead_models.MODELS, default="demo",
-                        help="what to train: the demo transformer, or a transformers (hf-) or paddleformers (pf-) "
-                             "causal LM built from a config (see benchmarks/overhead_models.py)")
+    parser.add_argument("--model", choices=("demo",) + overhead_models.MODELS, default=["demo"], nargs="+",
+                        help="what to train: the demo transformer, or a transformers (hf-), paddleformers (pf-) "
+                             "or MindSpore (ms-) causal LM built from a config (see benchmarks/overhead_models.py); "
+                             "several: one table each, in turn")
     parser.add_argument("--framework", choices=("torch", "paddle", "both"), default=None,
                         help="demo: both by default; a real model trains in its own library's framework")
     parser.add_argument("--threads", default="1", metavar="N|all",
-                        help="threads the training uses (torch.set_num_threads, OpenMP for paddle); "
-                             "all: every core of this machine")
+                        help="threads the training uses (torch.set_num_threads, OpenMP for paddle, "
+                             "op_tuning.threads_num for MindSpore); all: every core of this machine")
     parser.add_argument("--hidden", type=int, nargs="+", default=[256], help="one table per size, e.g. 256 1024")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -588,13 +598,15 @@ def main() -> int:
         threads = int(args.threads)
     else:
         parser.error("--threads takes a number >= 1 or 'all'")
-    if args.model == "demo":
-        framework = args.framework or "both"
-        frameworks = ("torch", "paddle") if framework == "both" else (framework,)
-    else:
-        frameworks = (overhead_models.framework(args.model),)
-        if args.framework not in (None, "both", frameworks[0]):
-            parser.error(f"--model {args.model} trains with {frameworks[0]}, not {args.framework}")
+    plan: list[tuple[str, tuple[str, ...]]] = []  # (model, the frameworks it trains with), in the given order
+    for model in dict.fromkeys(args.model):
+        if model == "demo":
+            framework = args.framework or "both"
+            plan.append((model, ("torch", "paddle") if framework == "both" else (framework,)))
+            continue
+        plan.append((model, (overhead_models.framework(model),)))
+        if args.framework not in (None, "both", plan[-1][1][0]):
+            parser.error(f"--model {model} trains with {plan[-1][1][0]}, not {args.framework}")
     peer = not args.no_peer and peer_installed()
     port = free_port()
     nice = ["nice", "-n", str(args.server_nice)] if args.server_nice else []
@@ -603,31 +615,33 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="twinstep-overhead-")
     try:
         time.sleep(1.5)
-        if args.model == "demo":
-            what = f"model: {args.layers} layers, seq {args.seq}, batch {args.batch}"
-        else:
-            what = "model: " + overhead_models.describe(args.model, overhead_models.ModelSize(
-                layers=args.layers, seq=args.seq, batch=args.batch))
-        print(f"{what}, CPU, {threads} thread{'s' if threads > 1 else ''}; {args.steps} timed "
-              f"steps per row after {args.warmup} warm-up, blocks of {args.block}, median step time"
-              + (f"; server at niceness {args.server_nice}" if args.server_nice else ""))
-        if not args.no_peer and not peer and "torch" in frameworks:
+        if not args.no_peer and not peer and any("torch" in frameworks for _, frameworks in plan):
             print(f"msprobe rows skipped: {PEER_PACKAGE} is not installed; install it with: {PEER_INSTALL}")
-        for hidden in args.hidden:
-            cfg: Any
-            if args.model == "demo":
-                cfg = spec.ModelConfig(vocab=512, hidden=hidden, heads=4, layers=args.layers, seq=args.seq,
-                                       batch=args.batch)
+        for model, frameworks in plan:
+            if model == "demo":
+                what = f"model: {args.layers} layers, seq {args.seq}, batch {args.batch}"
             else:
-                cfg = overhead_models.ModelSize(hidden=hidden, layers=args.layers, seq=args.seq, batch=args.batch)
-            for framework in frameworks:
-                rows = rows_for(framework, args.tensors, peer, args.control)
-                workers, summaries, notes = measure(framework, cfg, rows, f"127.0.0.1:{port}", args.steps,
-                                                    args.block, args.warmup, tmp, args.sustained, args.model,
-                                                    threads)
-                report(framework, hidden, workers, summaries, threads)
-                for note in notes:
-                    print(f"        {note}")
+                what = "model: " + overhead_models.describe(model, overhead_models.ModelSize(
+                    layers=args.layers, seq=args.seq, batch=args.batch))
+            print(f"{what}, CPU, {threads} thread{'s' if threads > 1 else ''}; {args.steps} timed "
+                  f"steps per row after {args.warmup} warm-up, blocks of {args.block}, median step time"
+                  + (f"; server at niceness {args.server_nice}" if args.server_nice else ""))
+            for hidden in args.hidden:
+                cfg: Any
+                if model == "demo":
+                    cfg = spec.ModelConfig(vocab=512, hidden=hidden, heads=4, layers=args.layers, seq=args.seq,
+                                           batch=args.batch)
+                else:
+                    cfg = overhead_models.ModelSize(hidden=hidden, layers=args.layers, seq=args.seq,
+                                                    batch=args.batch)
+                for framework in frameworks:
+                    rows = rows_for(framework, args.tensors, peer, args.control)
+                    workers, summaries, notes = measure(framework, cfg, rows, f"127.0.0.1:{port}", args.steps,
+                                                        args.block, args.warmup, tmp, args.sustained, model,
+                                                        threads)
+                    report(framework, hidden, workers, summaries, threads)
+                    for note in notes:
+                        print(f"        {note}")
     finally:
         server.terminate()
         server.wait()

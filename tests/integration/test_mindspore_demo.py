@@ -6,16 +6,11 @@ Skips where MindSpore is not installed (the legs without it) or runs with numpy 
 
 from __future__ import annotations
 
-import importlib.util
 
-import numpy as np
-import pytest
 
-if importlib.util.find_spec("mindspore") is None:
-    pytest.skip("MindSpore is not installed in this environment", allow_module_level=True)
-if int(np.__version__.split(".")[0]) >= 2:
-    pytest.skip("MindSpore's wheels are built against numpy 1.x; this environment has numpy "
-                f"{np.__version__}", allow_module_level=True)
+from tests.mindspore_env import skip_module_without_mindspore
+
+skip_module_without_mindspore()
 
 
 def test_faithful_mindspore_port_aligned_and_bug_found_at_its_step_phase_and_module(server, jobs):

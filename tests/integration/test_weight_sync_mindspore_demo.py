@@ -9,16 +9,12 @@ is not installed or runs with numpy 2 (its 2.x wheels are built against numpy 1.
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
-import pytest
 
-if importlib.util.find_spec("mindspore") is None:
-    pytest.skip("MindSpore is not installed in this environment", allow_module_level=True)
-if int(np.__version__.split(".")[0]) >= 2:
-    pytest.skip("MindSpore's wheels are built against numpy 1.x; this environment has numpy "
-                f"{np.__version__}", allow_module_level=True)
+from tests.mindspore_env import skip_module_without_mindspore
+
+skip_module_without_mindspore()
 
 from twinstep.demo import spec  # noqa: E402
 

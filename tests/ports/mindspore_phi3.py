@@ -18,6 +18,7 @@ tensors. Only MindSpore and numpy are imported.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mindspore
@@ -25,6 +26,22 @@ import numpy as np
 from mindspore import mint, nn, ops
 
 from . import models
+
+
+@dataclass(frozen=True)
+class Phi3Size:
+    """The port's sizes: the test bed's by default (tests/ports/models.py); benchmarks/overhead_models.py
+    builds it at the overhead benchmark's size."""
+
+    vocab: int = models.VOCAB
+    hidden: int = models.HIDDEN
+    layers: int = models.LAYERS
+    heads: int = models.HEADS
+    kv_heads: int = models.KV_HEADS
+    intermediate: int = models.INTERMEDIATE
+    rms_eps: float = models.RMS_EPS
+    rope_theta: float = models.ROPE_THETA
+    pad_id: int = models.PAD_ID
 
 
 class Phi3RMSNorm(nn.Cell):
@@ -109,12 +126,13 @@ class Phi3MLP(nn.Cell):
 
 
 class Phi3DecoderLayer(nn.Cell):
-    def __init__(self) -> None:
+    def __init__(self, size: Phi3Size | None = None) -> None:
         super().__init__()
-        self.self_attn = Phi3Attention(models.HIDDEN, models.HEADS, models.KV_HEADS)
-        self.mlp = Phi3MLP(models.HIDDEN, models.INTERMEDIATE)
-        self.input_layernorm = Phi3RMSNorm(models.HIDDEN, models.RMS_EPS)
-        self.post_attention_layernorm = Phi3RMSNorm(models.HIDDEN, models.RMS_EPS)
+        size = size or Phi3Size()
+        self.self_attn = Phi3Attention(size.hidden, size.heads, size.kv_heads)
+        self.mlp = Phi3MLP(size.hidden, size.intermediate)
+        self.input_layernorm = Phi3RMSNorm(size.hidden, size.rms_eps)
+        self.post_attention_layernorm = Phi3RMSNorm(size.hidden, size.rms_eps)
         self.resid_attn_dropout = nn.Dropout(p=0.0)  # resid_pdrop 0, as the torch config
         self.resid_mlp_dropout = nn.Dropout(p=0.0)
 
@@ -128,12 +146,13 @@ class Phi3DecoderLayer(nn.Cell):
 
 
 class Phi3Model(nn.Cell):
-    def __init__(self) -> None:
+    def __init__(self, size: Phi3Size | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(models.VOCAB, models.HIDDEN, padding_idx=models.PAD_ID)
-        self.layers = nn.CellList([Phi3DecoderLayer() for _ in range(models.LAYERS)])
-        self.norm = Phi3RMSNorm(models.HIDDEN, models.RMS_EPS)
-        self.rotary_emb = Phi3RotaryEmbedding(models.HEAD_DIM, models.ROPE_THETA)
+        size = size or Phi3Size()
+        self.embed_tokens = nn.Embedding(size.vocab, size.hidden, padding_idx=size.pad_id)
+        self.layers = nn.CellList([Phi3DecoderLayer(size) for _ in range(size.layers)])
+        self.norm = Phi3RMSNorm(size.hidden, size.rms_eps)
+        self.rotary_emb = Phi3RotaryEmbedding(size.hidden // size.heads, size.rope_theta)
 
     def construct(self, input_ids: mindspore.Tensor) -> mindspore.Tensor:
         hidden_states = self.embed_tokens(input_ids)
@@ -148,10 +167,11 @@ class Phi3Model(nn.Cell):
 
 
 class Phi3ForCausalLM(nn.Cell):
-    def __init__(self) -> None:
+    def __init__(self, size: Phi3Size | None = None) -> None:
         super().__init__()
-        self.model = Phi3Model()
-        self.lm_head = nn.Dense(models.HIDDEN, models.VOCAB, has_bias=False)
+        size = size or Phi3Size()
+        self.model = Phi3Model(size)
+        self.lm_head = nn.Dense(size.hidden, size.vocab, has_bias=False)
 
     def construct(self, input_ids: mindspore.Tensor) -> mindspore.Tensor:
         return self.lm_head(self.model(input_ids=input_ids))  # by keyword, as transformers

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-import importlib.util  # noqa: E402
+from tests.mindspore_env import skip_module_without_mindspore
 
-import numpy as np  # noqa: E402
-
-if importlib.util.find_spec("mindspore") is None:
-    pytest.skip("MindSpore is not installed in this environment", allow_module_level=True)
-if int(np.__version__.split(".")[0]) >= 2:
-    pytest.skip("MindSpore's wheels are built against numpy 1.x; this environment has numpy "
-                f"{np.__version__}", allow_module_level=True)
+skip_module_without_mindspore()
 pytest.importorskip("transformers")
 
 from tests.ports import models  # noqa: E402

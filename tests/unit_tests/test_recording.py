@@ -225,8 +225,9 @@ def test_a_recorded_baseline_is_played_at_the_candidates_pace(recorded_pair):
                  and player.waiting_for == {"credit"}, timeout=10)
         # Held back by the credit policy: window_steps ahead of the candidate, and no further.
         assert session.runs["torch"].last_step == 2 + 2
-        for number in range(3, 10):
+        for number in range(3, 10):  # paced as above: a loaded machine must not push it out of the window
             stream.send(step(number, [(0, VALUES + (0.5 if number >= 3 else 0.0))]))
+            wait_for(lambda: session.runs["torch"].last_step >= number, timeout=10)
         stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=9))).close()
         wait_for(lambda: _ended(handle, "pair"), timeout=10)
         report = handle.report("pair")
