@@ -24,7 +24,7 @@ from typing import Any
 import paddle
 
 from twinstep.capture.base import RemovableHandle
-from twinstep.capture.ops.trace import OpTraceBuilder
+from twinstep.capture.ops.trace import OpTraceBuilder, child_module_hooks
 
 _NAMESPACES = ("paddle", "paddle.nn.functional", "paddle.linalg", "paddle.incubate.nn.functional")
 #: Tensor dunders that are operations (the rest: object protocol, printing, conversion to Python).
@@ -83,7 +83,7 @@ class PaddleInterceptor:
     def child_hooks(self, module: paddle.nn.Layer, builder: OpTraceBuilder) -> list[RemovableHandle]:
         handles = []
         for name, child in module.named_children():
-            enter, leave = _child_hooks(name, builder)
+            enter, leave = child_module_hooks(name, builder)
             handles.append(RemovableHandle(_first_pre_hook(child, enter).remove))
             handles.append(RemovableHandle(child.register_forward_post_hook(leave).remove))
         return handles
@@ -118,15 +118,3 @@ def _first_pre_hook(layer: paddle.nn.Layer, hook: Any) -> Any:
         if hasattr(hooks, "move_to_end") and getattr(handle, "_hook_id", None) in hooks:
             hooks.move_to_end(handle._hook_id, last=False)
         return handle
-
-
-def _child_hooks(name: str, builder: OpTraceBuilder) -> tuple[Any, Any]:
-    def enter(child: Any, args: tuple) -> None:
-        builder.busy += 1
-
-    def leave(child: Any, args: tuple, output: Any) -> None:
-        builder.busy = max(builder.busy - 1, 0)
-        if not builder.passes_through():
-            builder.on_call(name, args, {}, output, op="module")
-
-    return enter, leave

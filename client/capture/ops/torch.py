@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from twinstep.capture.base import RemovableHandle
-from twinstep.capture.ops.trace import OpTraceBuilder
+from twinstep.capture.ops.trace import OpTraceBuilder, child_module_hooks
 
 
 def api_name(func: Any) -> str:
@@ -71,20 +71,8 @@ class TorchInterceptor:
     def child_hooks(self, module: torch.nn.Module, builder: OpTraceBuilder) -> list[RemovableHandle]:
         handles = []
         for name, child in module.named_children():
-            enter, leave = _child_hooks(name, builder)
+            enter, leave = child_module_hooks(name, builder)
             # First before every other pre-hook, last after every other hook: what they do is inside the child.
             handles.append(RemovableHandle(child.register_forward_pre_hook(enter, prepend=True).remove))
             handles.append(RemovableHandle(child.register_forward_hook(leave).remove))
         return handles
-
-
-def _child_hooks(name: str, builder: OpTraceBuilder) -> tuple[Any, Any]:
-    def enter(child: Any, args: tuple) -> None:
-        builder.busy += 1
-
-    def leave(child: Any, args: tuple, output: Any) -> None:
-        builder.busy = max(builder.busy - 1, 0)
-        if not builder.passes_through():
-            builder.on_call(name, args, {}, output, op="module")
-
-    return enter, leave

@@ -139,3 +139,17 @@ class OpTraceBuilder:
             self.error = f"{self.dropped} calls past the bound of {self.max_calls} were not recorded"
         return pb.OpTrace(zoom_id=self.spec.id, module=self.module, calls=self.calls, externals=self.externals,
                           calls_dropped=self.dropped, error=self.error)
+
+
+def child_module_hooks(name: str, builder: OpTraceBuilder) -> tuple[Any, Any]:
+    """A (pre-hook, hook) pair for a child module of the captured one: its whole call is one "module"
+    operation, and the operations inside it are not recorded (torch and paddle hooks share the signatures)."""
+    def enter(child: Any, args: tuple) -> None:
+        builder.busy += 1
+
+    def leave(child: Any, args: tuple, output: Any) -> None:
+        builder.busy = max(builder.busy - 1, 0)
+        if not builder.passes_through():
+            builder.on_call(name, args, {}, output, op="module")
+
+    return enter, leave
