@@ -99,3 +99,16 @@ class HostTensor:
     buffer: Any = None
     nbytes: int = 0
     wire: list[bytes] | None = field(default=None, repr=False)
+
+
+def pooled_copy(view: Any, pool: HostMemory, keep: Any = None) -> Callable[[], tuple[Any, Any]]:
+    """A deferred copy of a host view (a numpy array over the training's memory) into a buffer of ``pool``,
+    returning (the copy, its buffer).  ``keep`` holds what owns the view's memory alive until the copy runs."""
+
+    def copy(owner: Any = keep) -> tuple[Any, Any]:
+        buffer = pool.take(view.nbytes)
+        out = buffer.view(view.dtype).reshape(view.shape)
+        np.copyto(out, view)
+        return out, buffer
+
+    return copy

@@ -4,25 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.setup_views import groups as _groups, modules as _modules, run_wide as _run_wide
 from twinstep.setup import SetupCollector
-from twinstep.v1 import twinstep_pb2 as pb
-
-
-def _value(v: pb.SetupValue):
-    return getattr(v, v.WhichOneof("value"))
-
-
-def _groups(setup: pb.Setup) -> dict[str, dict[str, object]]:
-    """Parameter name -> {hyper-parameter: value}."""
-    return {name: {v.key: _value(v) for v in g.values} for g in setup.groups for name in g.parameters}
-
-
-def _modules(setup: pb.Setup) -> dict[str, dict[str, object]]:
-    return {m.name: {v.key: _value(v) for v in m.values} for m in setup.modules}
-
-
-def _run_wide(setup: pb.Setup) -> dict[str, object]:
-    return {v.key: _value(v) for v in setup.values}
 
 
 def _torch_model():

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.setup_views import groups as _groups, modules as _modules, run_wide as _run_wide
+
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.preflight.diff import diff_setups
 from twinstep.setup import SetupCollector
@@ -44,20 +46,6 @@ def found(tmp_path_factory) -> dict:
     return found
 
 
-def _value(v: pb.SetupValue):
-    return getattr(v, v.WhichOneof("value"))
-
-
-def _groups(setup: pb.Setup) -> dict[str, dict[str, object]]:
-    return {name: {v.key: _value(v) for v in g.values} for g in setup.groups for name in g.parameters}
-
-
-def _modules(setup: pb.Setup) -> dict[str, dict[str, object]]:
-    return {m.name: {v.key: _value(v) for v in m.values} for m in setup.modules}
-
-
-def _run_wide(setup: pb.Setup) -> dict[str, object]:
-    return {v.key: _value(v) for v in setup.values}
 
 
 def _torch_net():

@@ -32,7 +32,7 @@ import numpy as np
 
 from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
-from twinstep.capture.buffers import HostBufferPool
+from twinstep.capture.buffers import HostBufferPool, pooled_copy
 from twinstep.capture.mindspore.sketch import MindSporeSketcher
 from twinstep.sketch import SketchSpec
 
@@ -201,13 +201,7 @@ class MindSporeBackend(CaptureBackend):
         if view.dtype not in _HOST_FLOATS:
             return None
 
-        def copy(keep: Any = tensor) -> tuple[np.ndarray, Any]:
-            buffer = pool.take(view.nbytes)
-            out = buffer.view(view.dtype).reshape(view.shape)
-            np.copyto(out, view)
-            return out, buffer
-
-        return copy
+        return pooled_copy(view, pool, keep=tensor)
 
     def copy_stats_task(self, copy: np.ndarray) -> Callable[[], tuple[float, ...]] | None:
         if not isinstance(copy, np.ndarray) or copy.dtype not in _HOST_FLOATS or copy.size < _OFFLOAD_MIN:

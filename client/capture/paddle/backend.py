@@ -12,7 +12,7 @@ import paddle
 
 from twinstep import stats
 from twinstep.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
-from twinstep.capture.buffers import HostBufferPool
+from twinstep.capture.buffers import HostBufferPool, pooled_copy
 from twinstep.capture.paddle.sketch import PaddleSketcher
 from twinstep.sketch import SketchSpec
 
@@ -131,13 +131,7 @@ class PaddleBackend(CaptureBackend):
         if view.dtype not in _HOST_FLOATS:
             return None
 
-        def copy() -> tuple[np.ndarray, Any]:
-            buffer = pool.take(view.nbytes)
-            out = buffer.view(view.dtype).reshape(view.shape)
-            np.copyto(out, view)
-            return out, buffer
-
-        return copy
+        return pooled_copy(view, pool)
 
     def copy_stats_task(self, copy: np.ndarray) -> Callable[[], tuple[float, ...]] | None:
         if not isinstance(copy, np.ndarray) or copy.dtype not in _HOST_FLOATS or copy.size < _OFFLOAD_MIN:
