@@ -112,15 +112,29 @@ fi
 
 # --- build ------------------------------------------------------------------------------
 start=$(date +%s)
-echo "$leg: building $venv with $py ($pyver)"
 rm -rf "$venv"
 mkdir -p "$venvs"
+free_disk() { df -h "$venvs" | awk 'NR == 2 { print $4 " free on " $6 }'; }
+echo "$leg: building $venv with $py ($pyver); $(free_disk)"
 "$py" -m venv "$venv"
 vpy=$venv/bin/python
 
 extra=()
 [ -n "${TWINSTEP_TORCH_INDEX:-}" ] && extra=(--extra-index-url "$TWINSTEP_TORCH_INDEX")
-pip_install() { "$vpy" -m pip install --disable-pip-version-check ${extra[@]+"${extra[@]}"} "$@"; }
+# pip's wheel cache would hold a second copy of every download (torch's CUDA wheels alone are ~3 GB a
+# leg) on the disk the environments need; the pins change rarely, so a rebuild downloads again.
+# Set PIP_CACHE_DIR to keep a cache anyway.
+[ -n "${PIP_CACHE_DIR:-}" ] || export PIP_NO_CACHE_DIR=1
+export PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-10}  # a GB wheel cut off mid-way resumes (pip >= 25.1)
+pip_install() {  # three tries: a dropped connection should not cost the leg
+    local try
+    for try in 1 2 3; do
+        "$vpy" -m pip install --disable-pip-version-check ${extra[@]+"${extra[@]}"} "$@" && return 0
+        echo "$leg: pip install failed (try $try of 3; $(free_disk))" >&2
+        [ "$try" -lt 3 ] && sleep $((try * 15))
+    done
+    return 1
+}
 
 if [ "$mode" = --repin ]; then cons=$seed; else cons=$pins; fi
 export PIP_CONSTRAINT=$cons  # the editable build's isolated environment obeys it too
@@ -167,7 +181,7 @@ fi
 hash_of "$pins" > "$stamp"
 elapsed=$(( $(date +%s) - start ))
 size=$(du -sh "$venv" | cut -f1)
-echo "$leg: built in ${elapsed}s, $size, python $pyver"
+echo "$leg: built in ${elapsed}s, $size, python $pyver; $(free_disk)"
 "$vpy" - <<'EOF'
 from importlib.metadata import version, PackageNotFoundError
 out = []

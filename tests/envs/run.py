@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +43,10 @@ class Leg:
     """What the leg proves."""
     tiers: tuple[tuple[str, tuple[str, ...]], ...]
     """(tier, extra pytest arguments selecting within it), in the order they run."""
+    disk_gb: float
+    """Free disk its build needs: the environment plus pip's downloads, which sit beside it until installed
+    (measured sizes: latest 2.3 GB, paddleformers 5.5, oldest 8.4 and newest-python 5.8, the last two with
+    torch's CUDA wheels from PyPI)."""
 
 
 #: Issue 16's user-facing surfaces whose code does not vary with numpy, torch or paddle versions run
@@ -85,7 +90,7 @@ _NO_FAULTS = (("unit", ()), ("integration", (*_NO_FAULTS_ARGS, *_SERVER_EDGE)))
 #: In the order they run.  Why each runs what it runs: README, "Supported environments".
 LEGS = (
     Leg("latest", "numpy 2.x, torch 2.13, paddle 3.3.1, the real-port test bed (paddleformers without its pins)",
-        (("unit", ()), ("integration", ()), ("ports", ()))),
+        (("unit", ()), ("integration", ()), ("ports", ())), 4),
     Leg("paddleformers", "paddleformers installed the ordinary way: numpy 1.26.4, real ports faithful and buggy",
         # Every model faithful, every bug of the corpus on Phi3: the code paths of all three models, in a third
         # of the time; both libraries' Trainers with twinstep's callbacks, with paddleformers' own dependencies;
@@ -93,10 +98,10 @@ LEGS = (
         (("unit", ()),
          ("integration", (*[a for a in _NO_FAULTS_ARGS if a != "--ignore=tests/integration/test_docs.py"],
                           "--ignore=tests/integration/test_zero_code.py", *_SERVER_EDGE, *_MINDSPORE_DOCS_TOO)),
-         ("ports", ("-k", "faithful or phi3 or trainer or mindspore")))),
+         ("ports", ("-k", "faithful or phi3 or trainer or mindspore"))), 8),
     Leg("oldest", "the lowest supported versions: Python 3.10, numpy 1.26.0, torch 2.4.1, paddle 3.0.0, grpcio 1.85.1",
-        _ALL),
-    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", _NO_FAULTS),
+        _ALL, 13),
+    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", _NO_FAULTS, 10),
 )
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
@@ -144,6 +149,41 @@ def _wait_for_browser(install: subprocess.Popen | None, since: float) -> None:
           f"{time.monotonic() - since:.0f} s after the start", flush=True)
 
 
+def _free_gb() -> float:
+    return shutil.disk_usage(ROOT / ".venvs").free / 2**30
+
+
+def _make_room(leg: Leg, tested: list[str], testing: str | None) -> bool:
+    """Remove the environments of legs already tested while the disk cannot hold ``leg``'s build.
+
+    Four legs take about 22 GB, two of them with torch's CUDA wheels; a machine with less free disk would
+    fail the later builds half-way.  A removed environment is rebuilt by the next run, which costs minutes;
+    a failed build costs the leg.  False: still short, and the leg ``testing`` now will free its share
+    once its tests end, so the build should wait for that rather than start.
+    """
+    existing = ROOT / ".venvs" / leg.name
+    # An up-to-date environment is kept (nothing to download); a stale one is removed before the rebuild.
+    held = sum(f.stat().st_size for f in existing.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30 \
+        if existing.is_dir() else 0.0
+    need = max(0.0, leg.disk_gb - held)
+    free = _free_gb()
+    while free < need and tested:
+        victim = tested.pop(0)
+        shutil.rmtree(ROOT / ".venvs" / victim, ignore_errors=True)
+        now = _free_gb()
+        print(f"== disk: {free:.1f} GB free, leg {leg.name} needs about {need:.0f} GB more: removed .venvs/{victim} "
+              f"(tested; the next run rebuilds it), {now:.1f} GB free", flush=True)
+        free = now
+    if free < need and testing:
+        print(f"== disk: {free:.1f} GB free, leg {leg.name} needs about {need:.0f} GB more: it builds once leg "
+              f"{testing}'s tests end", flush=True)
+        return False
+    if free < need:
+        print(f"== disk: WARNING: {free:.1f} GB free, leg {leg.name} needs about {need:.0f} GB more; "
+              "building anyway", flush=True)
+    return True
+
+
 def _build(leg: str) -> subprocess.Popen:
     log = open(ROOT / ".venvs" / f"{leg}.build.log", "w")
     return subprocess.Popen(["bash", str(HERE / "build.sh"), leg], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -182,13 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     browser = _install_browser() if "integration" in tiers else None
     # Build the first leg now, the others one after another in the background.
     builds: dict[str, tuple[subprocess.Popen, float]] = {}
-    pending = [leg.name for leg in chosen]
+    pending = list(chosen)
+    tested: list[str] = []
+    """Legs whose tests have finished, oldest first: their environments may go when the disk is short."""
     outcomes: list[Outcome] = []
 
-    def start_next_build() -> None:
+    def start_next_build(testing: str | None = None) -> None:
+        """Start the next pending build unless one is running (or the disk waits for ``testing`` to end)."""
         if pending and not any(proc is not None and proc.poll() is None for proc, _ in builds.values()):
-            name = pending.pop(0)
-            builds[name] = (_build(name), time.monotonic())
+            if _make_room(pending[0], tested, testing):
+                leg = pending.pop(0)
+                builds[leg.name] = (_build(leg.name), time.monotonic())
 
     for leg in chosen:
         outcome = Outcome(leg.name)
@@ -202,11 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         outcome.build_seconds = float(built.group(1)) if built else 0.0  # 0: up to date
         print(f"== leg {leg.name}: {leg.what}", flush=True)
         print("\n".join("   " + line for line in log.strip().splitlines()[-3:]), flush=True)
-        start_next_build()  # the next leg builds while this one tests
         if proc.returncode != 0:
             outcome.problem = f"build failed (exit {proc.returncode}); see .venvs/{leg.name}.build.log"
             print(f"== leg {leg.name}: {outcome.problem}\n{log[-4000:]}", flush=True)
+            tested.append(leg.name)  # a half-built environment is only in the way
+            start_next_build()
             continue
+        start_next_build(testing=leg.name)  # the next leg builds while this one tests
         python = ROOT / ".venvs" / leg.name / "bin" / "python"
         for tier, selection in [(t, sel) for t, sel in leg.tiers if t in tiers]:
             if tier == "integration":
@@ -228,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 outcome.problem = outcome.problem or f"pytest exited {result.returncode} in tier {tier}"
             if not counts.get("passed"):
                 outcome.problem = outcome.problem or f"no test ran in tier {tier}"
+        tested.append(leg.name)
         start_next_build()
 
     print("\n== summary (seconds to build the leg, 0 when up to date / seconds of tests)", flush=True)
