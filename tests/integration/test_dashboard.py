@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,9 @@ def test_the_live_dashboard_follows_the_runs_and_halts_them(server, browser, str
     assert _css(browser, "#divergence .phase").text == "forward" and _css(browser, "#divergence .step").text == "0"
     assert _css(browser, "#stage").text.startswith("forward")
     assert _css(browser, f"#divergence tr.first[data-module='{MODULE}']") is not None
+    # The set-up difference behind it, found when the runs attached (preflight): the activation variant.
+    finding = _wait(lambda: _css(browser, "#preflight tr[data-severity='warning']"), 10, "the preflight panel")
+    assert MODULE in finding.find_element("css selector", "td.affects").text and "tanh" in finding.text
     # Heatmap rows are folded by the module tree, opened along the path to the divergence.
     labels = [e.get_attribute("data-path") for e in browser.find_elements("css selector", ".heatmap-label")]
     assert MODULE in labels and "layers.0.attn.q_proj" not in labels
@@ -261,12 +265,20 @@ def test_kept_reports_hold_what_the_dashboard_showed(server, browser, streaming,
 def test_several_candidates_get_a_divergence_part_each(browser, tmp_path):
     """Three-way sessions: the first-divergence panel has one part per candidate, each with its own verdict."""
     from tests.unit_tests.test_report_candidates import _three_way
+    from twinstep.v1 import twinstep_pb2 as pb
     from twinstep.server.report.builder import build_report
     from twinstep.server.view.model import build_view
     from twinstep.server.view.page import render_frozen
 
+    affects = [f"layers.{i}.ln.weight" for i in range(6)]
+    findings = (
+        pb.PreflightFinding(candidate_run="bad", category="weight_decay", key="optimizer.group0.weight_decay",
+                            baseline="0.0", candidate="0.01", affects=affects, affects_unlisted=2, severity="warning",
+                            message="weight decay 0.0 (baseline) vs 0.01 (bad) on layers.0.ln.weight, ... (8)"),
+        pb.PreflightFinding(candidate_run="good", category="versions", key="framework", baseline="torch 2.13.0",
+                            candidate="mindspore 2.10.0", severity="info", message="frameworks differ"))
     page = tmp_path / "three.html"
-    page.write_text(render_frozen(build_view(build_report(_three_way()), None)))
+    page.write_text(render_frozen(build_view(build_report(replace(_three_way(), preflight=findings)), None)))
     browser.get(page.as_uri())
     bad = _wait(lambda: _css(browser, '#divergence .candidate-divergence[data-run="bad"]'), 20, "the part of 'bad'")
     good = _css(browser, '#divergence .candidate-divergence[data-run="good"]')
@@ -274,3 +286,10 @@ def test_several_candidates_get_a_divergence_part_each(browser, tmp_path):
     assert "step 3" in bad.text and "backward" in bad.text and "DIVERGED ◀ first" in bad.text
     assert "candidate good (mindspore): ALIGNED" in good.text
     assert "None: every compared step is within tolerance." in good.text
+    # Set-up differences: warnings first, each with its candidate (several here), and the affected beyond four counted.
+    rows = browser.find_elements("css selector", "#preflight tbody tr")
+    assert [(r.get_attribute("data-run"), r.get_attribute("data-severity")) for r in rows] == [
+        ("bad", "warning"), ("good", "info")]
+    assert rows[0].find_element("css selector", "td.affects").text == \
+        "layers.0.ln.weight, layers.1.ln.weight, layers.2.ln.weight, layers.3.ln.weight and 4 more"
+    assert "1 can change the numbers, 1 for context" in _css(browser, "#preflight").text

@@ -168,7 +168,7 @@
 
     if (!document.getElementById("runs-slot")) {
       app.textContent = "";
-      ["runs-slot", "halt-slot", "reasons-slot", "divergence-slot", "heatmap-slot", "curves-slot", "errors-slot"].forEach(function (id) {
+      ["runs-slot", "halt-slot", "reasons-slot", "preflight-slot", "divergence-slot", "heatmap-slot", "curves-slot", "errors-slot"].forEach(function (id) {
         app.appendChild(el("div", {id: id, className: id === "runs-slot" || id === "halt-slot" ? "slot half" : "slot"}));
       });
       if (view.live) document.getElementById("halt-slot").appendChild(haltPanel());
@@ -180,6 +180,7 @@
       el("h2", {text: report.status === "incomplete" ? "Not compared" : "Coverage"}),
       el("ul", {}, report.status_reasons.map(function (r) { return el("li", {text: r}); })),
     ]) : null);
+    fill("preflight-slot", preflightPanel(view));
     fill("divergence-slot", divergencePanel(view));
     fill("heatmap-slot", heatmapPanel(view));
     updateCurves(view);
@@ -265,6 +266,39 @@
     if (!view.halt.enabled) message.textContent = view.halt.message;
     else if (state.haltMessage) message.textContent = state.haltMessage;
     else if (view.report.halted) message.textContent = "The session is halted.";
+  }
+
+  // The training set-ups' differences, diffed at attach before step 0 (report.preflight): warnings (they can
+  // change the numbers) before context, each with both values and what it affects; the candidate's name
+  // when the session has several.  None: no panel.
+  function preflightPanel(view) {
+    var findings = view.report.preflight || [];
+    if (!findings.length) return null;
+    var warnings = findings.filter(function (f) { return f.severity === "warning"; });
+    var context = findings.filter(function (f) { return f.severity !== "warning"; });
+    var several = (view.candidates || []).length > 1;
+    var rows = warnings.concat(context).map(function (f) {
+      var affects = f.affects.slice(0, 4).join(", ");
+      var more = Math.max(f.affects.length - 4, 0) + f.affects_unlisted;
+      if (more > 0) affects += " and " + more + " more";
+      return el("tr", {"data-key": f.key, "data-severity": f.severity, "data-run": f.candidate_run, title: f.message}, [
+        el("td", {className: f.severity === "warning" ? "bad" : "muted", text: f.severity}),
+        several ? el("td", {text: f.candidate_run}) : null,
+        el("td", {}, [el("code", {text: f.key})]),
+        el("td", {className: "value", text: f.baseline}),
+        el("td", {className: "value", text: f.candidate}),
+        el("td", {className: "affects", text: affects || "–"}),
+      ]);
+    });
+    var heads = ["", several ? "candidate" : null, "set-up", "baseline", "candidate", "affects"].filter(function (h) { return h !== null; });
+    return el("section", {className: "panel", id: "preflight"}, [
+      el("h2", {text: "Set-up differences (preflight)"}),
+      el("p", {className: "muted", text: warnings.length + " can change the numbers" + (context.length ? ", " + context.length + " for context" : "") + "; found when the runs attached, before step 0."}),
+      el("table", {className: "grid"}, [
+        el("thead", {}, [el("tr", {}, heads.map(function (h) { return el("th", {text: h}); }))]),
+        el("tbody", {}, rows),
+      ]),
+    ]);
   }
 
   // One candidate: the session's first divergence. Several (three-way sessions): one part per candidate,
