@@ -588,6 +588,10 @@ class Session:
         if status == "aligned":
             return "info", f"every run has ended: aligned over {self.steps_compared()} compared step(s)"
         more = f" (and {len(reasons) - 3} more: see the report)" if len(reasons) > 3 else ""
+        if not self.candidates:  # the baseline may simply have been started first: say what a late candidate gets
+            more += (f"; a candidate that joins within session_ttl ({self.config.session_ttl:g} s) is still compared "
+                     f"with the last {self.config.window_steps} step(s) the server holds of each run, and the verdict "
+                     "is told again when it ends")
         return "warning", f"every run has ended: {status.upper()}: " + "; ".join(reasons[:3]) + more
 
     def _error(self, message: str) -> None:

@@ -40,6 +40,21 @@ def test_baseline_alone_ends_incomplete_not_running(server):
     assert any("no candidate run joined" in reason for reason in report.status_reasons), report.status_reasons
 
 
+def test_a_candidate_that_joins_after_the_baseline_ended_is_still_compared_and_the_verdict_told_again(server):
+    """A baseline started (and finished) first is not a lost session: the server says so, then compares the late one."""
+    events = server.registry.get_or_create("late").events
+    run_stream(server.address, "late", "torch", range(3), baseline=True)
+    ended(server, "late")
+    told = [e.alert.message for e in events.history if "every run has ended" in e.alert.message]
+    assert len(told) == 1 and "INCOMPLETE: no candidate run joined" in told[0]
+    assert "a candidate that joins within session_ttl" in told[0] and "told again" in told[0]
+    run_stream(server.address, "late", "paddle", range(3))
+    report = ended(server, "late")
+    assert report.status == "aligned" and report.steps_compared == 3, (report.status, report.status_reasons)
+    told = [e.alert.message for e in events.history if "every run has ended" in e.alert.message]
+    assert len(told) == 2 and told[1] == "every run has ended: aligned over 3 compared step(s)", told
+
+
 def test_candidate_that_ends_early_leaves_the_rest_uncompared(server):
     run_stream(server.address, "early", "torch", range(6), baseline=True)
     run_stream(server.address, "early", "paddle", range(3))
