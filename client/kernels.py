@@ -16,6 +16,7 @@ the kernels off.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -28,6 +29,8 @@ import numpy as np
 logger = logging.getLogger("twinstep")
 
 ENV_SWITCH = "TWINSTEP_JIT"
+#: How long the interpreter's exit waits for a load still in flight (see :meth:`_Loader._wait_at_exit`).
+EXIT_WAIT_SECONDS = 20.0
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -42,6 +45,7 @@ class _Loader:
         if off:
             self._done.set()
         self._lock = threading.Lock()
+        self._exit_hook = False
         self.load_seconds = 0.0
         if hasattr(os, "register_at_fork"):
             method = weakref.WeakMethod(self._after_fork)
@@ -63,7 +67,25 @@ class _Loader:
             if self._state != "idle":
                 return
             self._state = "loading"
+            if not self._exit_hook:
+                atexit.register(self._wait_at_exit)
+                self._exit_hook = True
         threading.Thread(target=self._load, name="twinstep-jit", daemon=True).start()
+
+    def _wait_at_exit(self) -> None:
+        """Let a load in flight finish before the interpreter finalizes (bounded).
+
+        The loader is a daemon thread importing numba and compiling.  Were it still running
+        Python code at finalization, a garbage collection there can free torch tensors, whose
+        deallocator releases the GIL; taking it back during finalization ends the thread with
+        a forced unwind through C++ code that forbids it: ``terminate called without an
+        active exception``, SIGABRT, a training killed at its very end (seen on a 3-step job
+        with torch 2.4 and Python 3.10).  Short jobs that end while the kernels load wait here
+        for the rest of the load (1 to 2 s when numba's cache holds them).
+        """
+        if self._state == "loading" and not self._done.wait(EXIT_WAIT_SECONDS):
+            logger.warning("twinstep: the compiled kernels were still loading %.0f s after the program ended; "
+                           "exiting anyway", EXIT_WAIT_SECONDS)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Start loading if needed and wait for it; True when the kernels are ready."""

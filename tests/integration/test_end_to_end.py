@@ -43,7 +43,7 @@ def test_gelu_tanh_bug_found_at_step0_forward_of_the_activation(server, jobs):
 
 def test_learning_rate_bug_found_at_step0_in_parameters(server, jobs):
     base, cand = run_pair(jobs, server, "lr", bug="lr", steps=3)
-    assert base.returncode == 0 and cand.returncode == 0
+    assert base.returncode == 0 and cand.returncode == 0, base.output + cand.output
     first = server.report("lr")["first_divergence"]
     # Forward, loss, backward and gradients of step 0 all matched: the first
     # divergence is the parameters after the first optimizer update.

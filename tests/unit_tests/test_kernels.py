@@ -108,3 +108,26 @@ def test_numba_debug_mode_is_not_used_for_statistics(monkeypatch):
     monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
     with pytest.raises(RuntimeError, match="NUMBA_DISABLE_JIT"):
         _kernels_numba.compile_all(cache=False)
+
+
+def test_a_program_that_ends_while_the_kernels_load_waits_for_them_before_the_interpreter_finalizes(tmp_path):
+    """A daemon loader still running Python code at finalization once killed a 3-step torch job with SIGABRT.
+
+    An exit hook registered before twinstep's runs after it (atexit is last in, first out): it must find
+    the load finished, from a cold numba cache (so the load is still in flight when the program ends).
+    """
+    import subprocess
+    import sys
+
+    program = (
+        "import atexit\n"
+        "atexit.register(lambda: print('state at exit:', __import__('twinstep').kernels.state(), flush=True))\n"
+        "from twinstep import kernels\n"
+        "kernels.one_pass_moments(__import__('numpy').ones(4, dtype='float32'))  # starts the load\n"
+        "print('state at the end:', kernels.state(), flush=True)\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"), "TWINSTEP_JIT": "1"}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "state at the end: loading" in done.stdout, done.stdout
+    assert "state at exit: ready" in done.stdout, done.stdout + done.stderr
