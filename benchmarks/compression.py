@@ -29,8 +29,8 @@ import zstandard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from twinstep import codec  # noqa: E402
-from twinstep.demo import spec  # noqa: E402
+from twinstep.wire import codec  # noqa: E402
+from twinstep.tools.demo import spec  # noqa: E402
 from twinstep.server.compare import metrics  # noqa: E402
 from twinstep.server.compare.tolerance import ToleranceConfig  # noqa: E402
 
@@ -42,7 +42,7 @@ def capture(cfg: spec.ModelConfig, dtype: str, steps: int) -> list[tuple[str, st
     """(phase, name, torch tensor) for every record of the last of ``steps`` training steps."""
     import torch
 
-    from twinstep.demo.job import LR, TorchTrainer
+    from twinstep.tools.demo.job import LR, TorchTrainer
 
     trainer = TorchTrainer(cfg, LR, 1)
     if dtype == "bfloat16":

@@ -40,8 +40,8 @@ class Case:
 
 def demo_case(name: str, bug: str | None, expected: tuple[int, str, str] | None) -> Case:
     def commands(server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
-        base = [sys.executable, "-m", "twinstep.demo.job", "--framework", "torch", "--run", "torch", "--baseline"]
-        cand = [sys.executable, "-m", "twinstep.demo.job", "--framework", "paddle", "--run", "paddle"]
+        base = [sys.executable, "-m", "twinstep.tools.demo.job", "--framework", "torch", "--run", "torch", "--baseline"]
+        cand = [sys.executable, "-m", "twinstep.tools.demo.job", "--framework", "paddle", "--run", "paddle"]
         if bug:
             cand += ["--bug", bug]
         common = ["--server", server, "--session", session, "--steps", str(steps)]

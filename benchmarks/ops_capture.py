@@ -2,8 +2,8 @@
 
     python benchmarks/ops_capture.py [--framework torch|paddle] [--module layers.0.attn] [--steps 30] [--hidden 256]
 
-The demo LM (twinstep.demo, CPU, one thread) trains with AdamW; the module's
-operations are captured (twinstep.capture.ops, as ``twinstep zoom --ops``
+The demo LM (twinstep.tools.demo, CPU, one thread) trains with AdamW; the module's
+operations are captured (twinstep.runtime.capture.ops, as ``twinstep zoom --ops``
 arms it: full values within bounds) in one step out of every five.  Printed:
 the median step time of plain steps before any capture, of the capturing
 steps, and of plain steps after captures (the wrappers and the mode are gone:
@@ -42,8 +42,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
 
-    from twinstep.capture.ops import OpsCapture
-    from twinstep.demo import spec
+    from twinstep.runtime.capture.ops import OpsCapture
+    from twinstep.tools.demo import spec
     from twinstep.v1 import twinstep_pb2 as pb
 
     cfg = spec.ModelConfig(hidden=args.hidden)
@@ -51,8 +51,8 @@ def main() -> None:
     if args.framework == "torch":
         import torch
 
-        from twinstep.capture.torch import TorchBackend
-        from twinstep.demo.model_torch import build_model
+        from twinstep.runtime.capture.torch import TorchBackend
+        from twinstep.tools.demo.model_torch import build_model
 
         torch.set_num_threads(1)
         model, backend = build_model(cfg, weights), TorchBackend()
@@ -68,8 +68,8 @@ def main() -> None:
     else:
         import paddle
 
-        from twinstep.capture.paddle import PaddleBackend
-        from twinstep.demo.model_paddle import build_model
+        from twinstep.runtime.capture.paddle import PaddleBackend
+        from twinstep.tools.demo.model_paddle import build_model
 
         model, backend = build_model(cfg, weights), PaddleBackend()
         opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=model.parameters())

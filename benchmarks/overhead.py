@@ -117,8 +117,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from twinstep import kernels  # noqa: E402
-from twinstep.demo import spec  # noqa: E402
+from twinstep.runtime import kernels  # noqa: E402
+from twinstep.tools.demo import spec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead_models  # noqa: E402  (benchmarks/overhead_models.py: the --model classes)
@@ -146,7 +146,7 @@ class Row:
 
 UNHOOKED = Row("unhooked", "none")
 TWINSTEP_STATS = Row("twinstep stats", "twinstep", "stats")
-# Without the compiled kernels (twinstep.kernels): numpy's and the framework's passes.
+# Without the compiled kernels (twinstep.runtime.kernels): numpy's and the framework's passes.
 TWINSTEP_NUMPY = Row("twinstep stats, numpy passes", "twinstep", "stats-numpy")
 # Statistics on the training thread, in the hooks (stats_workers=0).
 TWINSTEP_INLINE = Row("twinstep stats, in hooks", "twinstep", "stats-inline")
@@ -316,7 +316,7 @@ class _Msprobe(_Tool):
 def _trainer(model: str, framework: str, cfg: Any, threads: int) -> tuple[Any, Callable[[int], Any]]:
     """One row's trainer (the model, its AdamW and loss) and its batch of a step, the same for every row."""
     if model == "demo":
-        from twinstep.demo.job import PaddleTrainer, TorchTrainer
+        from twinstep.tools.demo.job import PaddleTrainer, TorchTrainer
 
         os.environ["OMP_NUM_THREADS"] = str(threads)  # paddle's OpenMP reads it on import
         trainer = (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)

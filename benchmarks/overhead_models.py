@@ -121,7 +121,7 @@ def _logits(out: Any) -> Any:
 
 
 class TorchModelTrainer:
-    """A transformers causal LM and its AdamW; the same interface as twinstep.demo.job's trainers."""
+    """A transformers causal LM and its AdamW; the same interface as twinstep.tools.demo.job's trainers."""
 
     def __init__(self, model: str, size: ModelSize, threads: int) -> None:
         import torch

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from twinstep import codec, stats
+from twinstep.wire import codec, stats
 from twinstep._version import PROTOCOL_VERSION
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc

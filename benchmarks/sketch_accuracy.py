@@ -32,8 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from twinstep import sketch as sketch_def  # noqa: E402
-from twinstep.demo import spec  # noqa: E402
+from twinstep.wire import sketch as sketch_def  # noqa: E402
+from twinstep.tools.demo import spec  # noqa: E402
 from twinstep.server.compare import layout  # noqa: E402
 from twinstep.server.compare import sketch as estimate  # noqa: E402
 from twinstep.server.compare.metrics import from_tensors  # noqa: E402
@@ -47,10 +47,10 @@ RESOLVED = 1e-5
 def frameworks():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="No ccache found")
-        from twinstep.capture.paddle import PaddleBackend
-        from twinstep.capture.paddle.sketch import PaddleSketcher
-    from twinstep.capture.torch import TorchBackend
-    from twinstep.capture.torch.sketch import TorchSketcher
+        from twinstep.runtime.capture.paddle import PaddleBackend
+        from twinstep.runtime.capture.paddle.sketch import PaddleSketcher
+    from twinstep.runtime.capture.torch import TorchBackend
+    from twinstep.runtime.capture.torch.sketch import TorchSketcher
 
     return {"torch": (TorchBackend(), TorchSketcher), "paddle": (PaddleBackend(), PaddleSketcher)}
 
@@ -233,7 +233,7 @@ def main() -> int:
     args = parser.parse_args()
     bucket_counts = [int(b) for b in args.buckets.split(",")]
     fw = frameworks()
-    from twinstep.demo.job import LR, PaddleTrainer, TorchTrainer
+    from twinstep.tools.demo.job import LR, PaddleTrainer, TorchTrainer
 
     cfg = spec.ModelConfig(vocab=512, hidden=args.hidden, heads=4, layers=args.layers, seq=args.seq, batch=args.batch)
     buggy = replace(cfg, tanh_gelu_layers=(1,))

@@ -8,7 +8,7 @@ median over the repetitions.  --cold evicts the caches (reads 96 MB) before
 every call, as for weights and gradients, which were last touched long ago;
 without it the tensor sits in cache, as a module output just written does.
 "chosen" is the backend's device_stats as shipped, with the one-pass kernel
-(twinstep.kernels, loaded here before timing), "numpy passes" the same
+(twinstep.runtime.kernels, loaded here before timing), "numpy passes" the same
 without it (TWINSTEP_JIT=0: one numpy or framework pass per
 reduction); "/mean" the same on a
 large-mean tensor (1e4 + N(0, 1)), which takes the second, shifted pass;
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from twinstep import kernels  # noqa: E402
+from twinstep.runtime import kernels  # noqa: E402
 
 SIZES = (1 << 10, 1 << 18, 1 << 20, 1 << 22)  # float32 elements: 4 KB .. 16 MB
 
@@ -118,8 +118,8 @@ def m2_errors(rows: dict[str, Callable[[np.ndarray], float]]) -> None:
 def torch_section(reps: int) -> None:
     import torch
 
-    from twinstep.capture.torch import TorchBackend
-    from twinstep.capture.torch.backend import _device_row
+    from twinstep.runtime.capture.torch import TorchBackend
+    from twinstep.runtime.capture.torch.backend import _device_row
 
     torch.set_num_threads(1)
     backend = TorchBackend()
@@ -180,8 +180,8 @@ def paddle_section(reps: int) -> None:
         warnings.simplefilter("ignore")
         import paddle
 
-    from twinstep.capture.paddle import PaddleBackend
-    from twinstep.capture.paddle.backend import _device_row
+    from twinstep.runtime.capture.paddle import PaddleBackend
+    from twinstep.runtime.capture.paddle.backend import _device_row
 
     paddle.set_device("cpu")
     backend = PaddleBackend()

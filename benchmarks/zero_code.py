@@ -20,7 +20,7 @@ rows alternates between repeats.
 Start-up: the median wall time of ``--starts`` starts of
 
     python -c pass                              the interpreter alone
-    bootstrap armed, python -c pass             sitecustomize + twinstep.autoattach, no framework
+    bootstrap armed, python -c pass             sitecustomize + twinstep.runtime.autoattach, no framework
     twinstep run -- python -c pass              the launcher too (it execs the command)
     python -c "import torch" (or paddle)        with and without the armed bootstrap: the probe's install
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import logging
 
-from twinstep.autoattach import BOOTSTRAP_DIR, ENV_ACTIVE
+from twinstep.runtime.autoattach import BOOTSTRAP_DIR, ENV_ACTIVE
 from twinstep.server import serve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,8 +28,8 @@ import time
 
 
 def build(framework: str, hidden: int, layers: int):
-    from twinstep.demo import spec
-    from twinstep.demo.job import PaddleTrainer, TorchTrainer
+    from twinstep.tools.demo import spec
+    from twinstep.tools.demo.job import PaddleTrainer, TorchTrainer
 
     cfg = spec.ModelConfig(hidden=hidden, layers=layers, seq=64, batch=8, heads=4)
     trainer = (TorchTrainer if framework == "torch" else PaddleTrainer)(cfg, 1e-3, 1)
@@ -38,7 +38,7 @@ def build(framework: str, hidden: int, layers: int):
 
 def train(framework, hidden, layers, steps, session, run, baseline, address, times, started, lockstep):
     import twinstep
-    from twinstep.demo import spec
+    from twinstep.tools.demo import spec
 
     cfg, trainer = build(framework, hidden, layers)
     mon = twinstep.attach(trainer.inner, session=session, run=run, baseline=baseline, server=address, lockstep=lockstep)

@@ -9,7 +9,7 @@
     mon.close()
 
 The names below are loaded on first use (PEP 562), so ``import twinstep.server``
-or a shared module (``twinstep.phases``, ``twinstep.codec``) does not start the
+or a shared module (``twinstep.wire.phases``, ``twinstep.wire.codec``) does not start the
 training-side runtime (the gRPC sender, the capture hooks, the kernel loader).
 """
 
@@ -21,19 +21,19 @@ from typing import TYPE_CHECKING, Any
 from twinstep._version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time they load lazily
-    from twinstep.api import Monitor, attach
+    from twinstep.runtime.api import Monitor, attach
     from twinstep.errors import BatchSyncError, Halted, WeightSyncError
-    from twinstep.inprocess import CompareResult, compare
+    from twinstep.runtime.inprocess import CompareResult, compare
 
 #: Public name -> the module that defines it.
 _LAZY = {
-    "attach": "twinstep.api",
-    "Monitor": "twinstep.api",
+    "attach": "twinstep.runtime.api",
+    "Monitor": "twinstep.runtime.api",
     "Halted": "twinstep.errors",
     "BatchSyncError": "twinstep.errors",
     "WeightSyncError": "twinstep.errors",
-    "compare": "twinstep.inprocess",
-    "CompareResult": "twinstep.inprocess",
+    "compare": "twinstep.runtime.inprocess",
+    "CompareResult": "twinstep.runtime.inprocess",
 }
 
 __all__ = ["BatchSyncError", "CompareResult", "Halted", "Monitor", "PROTOCOL_VERSION", "__version__", "attach", "compare", "WeightSyncError"]

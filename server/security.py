@@ -31,7 +31,7 @@ from typing import Iterable, Mapping
 
 import grpc
 
-from twinstep.netrules import is_loopback, is_true, read_pem
+from twinstep.wire.netrules import is_loopback, is_true, read_pem
 
 logger = logging.getLogger("twinstep.server")
 

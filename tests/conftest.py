@@ -1,6 +1,6 @@
 """Shared fixtures: an embedded server on a free loopback port, and real training jobs.
 
-Jobs are separate processes running ``python -m twinstep.demo.job`` (torch or
+Jobs are separate processes running ``python -m twinstep.tools.demo.job`` (torch or
 paddle); they report through a JSON result file.
 """
 
@@ -20,24 +20,24 @@ from typing import Iterator
 
 import pytest
 
-from twinstep import kernels
+from twinstep.runtime import kernels
 from twinstep.server import ServerConfig, serve
 
 JOB_TIMEOUT = 240
 ROOT = Path(__file__).resolve().parent.parent  # jobs run from here, so `-m tests....` modules import
 
-_KERNELS = kernels._LOADER  # this process's compiled kernels (twinstep.kernels)
+_KERNELS = kernels._LOADER  # this process's compiled kernels (twinstep.runtime.kernels)
 
 
 def use_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Host arithmetic takes numpy's passes: twinstep.kernels switched off (TWINSTEP_JIT=0)."""
+    """Host arithmetic takes numpy's passes: twinstep.runtime.kernels switched off (TWINSTEP_JIT=0)."""
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     monkeypatch.setattr(kernels, "_LOADER", kernels._Loader())
 
 
 def use_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Host arithmetic takes twinstep.kernels' compiled passes (numba is a dependency: they must load)."""
-    assert _KERNELS.wait(120), f"twinstep.kernels did not load: {_KERNELS.state}"
+    """Host arithmetic takes twinstep.runtime.kernels' compiled passes (numba is a dependency: they must load)."""
+    assert _KERNELS.wait(120), f"twinstep.runtime.kernels did not load: {_KERNELS.state}"
     monkeypatch.setattr(kernels, "_LOADER", _KERNELS)
 
 
@@ -97,7 +97,7 @@ class Job:
     def __init__(self, tmp: Path, framework: str, *, server: str, session: str, run: str | None = None,
                  baseline: bool = False, steps: int = 20, bug: str | None = None, capture: str = "stats",
                  extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 module: str = "twinstep.demo.job") -> None:
+                 module: str = "twinstep.tools.demo.job") -> None:
         self.run = run or framework
         rank = (env or {}).get("RANK", "0")
         self.result_file = tmp / f"{session}-{self.run}-{rank}.json"

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"serve": _serve, "watch": watch_cli.run, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions, "run": run_cli.run,
                 "compare-dumps": compare_dumps_cli.run, "zoom": zoom_cli.run, "reproduce": reproduce_cli.run, "compare-recordings": compare_recordings_cli.run}[args.command](args)
     except grpc.RpcError as error:
-        from twinstep.transport.security import explain
+        from twinstep.runtime.transport.security import explain
 
         details = error.details() or ""
         print(f"twinstep {args.command}: {error.code().name}: {details}{explain(details)}", file=sys.stderr)
@@ -266,7 +266,7 @@ class _Client:
     """A channel to the server by the loopback rule, and the token every call carries."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from twinstep.transport.security import ClientSecurity
+        from twinstep.runtime.transport.security import ClientSecurity
 
         security = ClientSecurity.resolve(token=args.token, tls_ca=args.tls_ca, tls_client_cert=args.tls_client_cert,
                                           tls_client_key=args.tls_client_key, insecure=args.insecure)
@@ -353,7 +353,7 @@ def format_sessions(listing: pb.SessionList) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from twinstep.demo.run import run_demo
+    from twinstep.tools.demo.run import run_demo
 
     return run_demo(bug=None if args.no_bug else args.bug, steps=args.steps, capture=args.capture,
                     http_port=args.http_port, candidates=args.candidate)

@@ -33,7 +33,7 @@ def wanted(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from twinstep.transport.security import ClientSecurity
+    from twinstep.runtime.transport.security import ClientSecurity
 
     security = ClientSecurity.resolve(token=args.token, tls_ca=args.tls_ca, tls_client_cert=args.tls_client_cert,
                                       tls_client_key=args.tls_client_key, insecure=args.insecure)

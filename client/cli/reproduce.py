@@ -3,7 +3,7 @@
 Reads the reproducer bundles the runs wrote (a halt with bundle_on_halt, or
 twinstep zoom --bundle), rebuilds the baseline's and the candidate's module,
 runs each on the recorded inputs in this process and prints the server's
-metrics between them (twinstep.reproduce.replay).  Given one bundle, its
+metrics between them (twinstep.tools.reproduce.replay).  Given one bundle, its
 counterpart (the other role, same session, rank and step) is looked for in
 the same folder.
 """
@@ -50,8 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from twinstep.reproduce.bundle import BundleError
-    from twinstep.reproduce.replay import reproduce
+    from twinstep.tools.reproduce.bundle import BundleError
+    from twinstep.tools.reproduce.replay import reproduce
 
     if len(args.bundles) > 2:
         return _fail("give one bundle, or two: the baseline's and a candidate's")
@@ -102,7 +102,7 @@ def to_dict(result: Any) -> dict[str, Any]:
 
 
 def render(result: Any) -> str:
-    from twinstep.reproduce.replay import SHOWN
+    from twinstep.tools.reproduce.replay import SHOWN
 
     first = result.baseline or result.candidate
     m = first.bundle.meta

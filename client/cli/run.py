@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 
-from twinstep import settings
+from twinstep.runtime import settings
 
 EXAMPLES = """\
 examples:
@@ -38,7 +38,7 @@ PER_PROCESS = ("rank", "world_size")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``twinstep run``; every attach setting becomes an option (twinstep.settings.SETTINGS)."""
+    """Register ``twinstep run``; every attach setting becomes an option (twinstep.runtime.settings.SETTINGS)."""
     parser = subparsers.add_parser(
         "run", help="run a training command with twinstep attached, without editing it",
         description="Run a training command (python, torchrun, python -m paddle.distributed.launch) with "
@@ -81,7 +81,7 @@ def _shown(value: object) -> str:
 
 def child_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
     """The training's environment: the options as TWINSTEP_* variables, the bootstrap first on PYTHONPATH."""
-    from twinstep.autoattach import BOOTSTRAP_DIR, ENV_ACTIVE
+    from twinstep.runtime.autoattach import BOOTSTRAP_DIR, ENV_ACTIVE
 
     env = dict(os.environ if base is None else base)
     for setting in settings.SETTINGS:

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from twinstep.phases import STEP_ORDER
+from twinstep.wire.phases import STEP_ORDER
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep")

@@ -54,7 +54,7 @@ def check_attach_options(options: dict[str, Any]) -> None:
     Values are checked by ``attach`` itself at the start of training (it also
     resolves what is left out from the environment and the config file).
     """
-    from twinstep.api import attach
+    from twinstep.runtime.api import attach
 
     if "model" in options:
         raise TypeError("the callback attaches to the trainer's model; do not pass model=")
@@ -126,7 +126,7 @@ class TrainerAttachment:
         if global_step > 0 and "start_step" not in options:
             options["start_step"] = global_step  # resumed from a checkpoint: number steps as the trainer does
         try:
-            from twinstep.api import attach
+            from twinstep.runtime.api import attach
 
             self.monitor = attach(model, **options)
             if optimizer is not None:

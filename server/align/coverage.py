@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from twinstep import phases
+from twinstep.wire import phases
 from twinstep.server.align.step_ranges import StepRanges
 from twinstep.v1 import twinstep_pb2 as pb
 

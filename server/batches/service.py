@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from twinstep import codec
+from twinstep.wire import codec
 from twinstep.server.batches.buffer import BatchBuffer
 from twinstep.server.errors import InputError
 from twinstep.server.runs.membership import ENDED

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import yaml
 
-from twinstep import stats
+from twinstep.wire import stats
 from twinstep.server.compare import layout
 from twinstep.server.ingest.step import StepData
 from twinstep.v1 import twinstep_pb2 as pb

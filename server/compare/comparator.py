@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from twinstep import codec, phases
+from twinstep.wire import codec, phases
 from twinstep.server.compare import layout, metrics, sketch
 from twinstep.server.compare.join import Pair, RecordLabel, group_name
 from twinstep.server.compare.lossy import ELEMENTWISE

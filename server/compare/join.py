@@ -2,7 +2,7 @@
 
 Records are joined on (phase, baseline name, call index, slot): fused groups
 first (one module on one side, its parts on the other), then by name after
-the mapping (parameters under torch's local names: twinstep.layouts).  Named records (phase record) join by their own names: no
+the mapping (parameters under torch's local names: twinstep.wire.layouts).  Named records (phase record) join by their own names: no
 mapping or fused rule applies to them.  Used once per pair of layouts by the planner; the comparator
 names fused groups the same way.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from twinstep import phases
-from twinstep.layouts import canonical_parameter_name
+from twinstep.wire import phases
+from twinstep.wire.layouts import canonical_parameter_name
 from twinstep.server.compare.mapping import FusedRule, NameMapping
 from twinstep.server.ingest.step import StepData
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinstep.layouts import is_in_out
+from twinstep.wire.layouts import is_in_out
 
 __all__ = ["is_in_out", "needs_transpose", "shapes_compatible", "align", "fused_shape", "fuse", "unfuse"]
 

@@ -1,7 +1,7 @@
 """Error budgets for lossy tensor payloads, told to each client in its Welcome.
 
 A lossy payload may change an element by at most its budget; the budget is
-derived (twinstep.codec) so that no element-wise verdict changes except within
+derived (twinstep.wire.codec) so that no element-wise verdict changes except within
 ``MARGIN`` of a tolerance.  It must hold for the tightest tolerance a record
 can be judged by: the float32 defaults and every override of the phase.
 Low-precision records have looser tolerances, so the float32 budget serves
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 
-from twinstep import codec
-from twinstep.phases import STEP_ORDER
+from twinstep.wire import codec
+from twinstep.wire.phases import STEP_ORDER
 from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
-#: Share of a tolerance that quantisation may use up (see twinstep.codec).
+#: Share of a tolerance that quantisation may use up (see twinstep.wire.codec).
 MARGIN = codec.DEFAULT_MARGIN
 ELEMENTWISE = ("rel_l2", "cosine", "max_abs")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinstep import stats
+from twinstep.wire import stats
 
 #: Below this RMS a tensor counts as zero (float32 denormal range); avoids 0/0.
 ABS_FLOOR = 1e-30

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from twinstep import phases
+from twinstep.wire import phases
 from twinstep.server.compare import layout
 from twinstep.server.compare.join import Pair, RecordLabel, group_name, join
 from twinstep.server.compare.mapping import FusedRule, NameMapping

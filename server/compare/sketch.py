@@ -1,6 +1,6 @@
 """rel_l2 and cosine of two full tensors, estimated from their count-sketches.
 
-For a count-sketch ``S`` (``twinstep.sketch``), ``||S(a)-S(b)||^2`` is an
+For a count-sketch ``S`` (``twinstep.wire.sketch``), ``||S(a)-S(b)||^2`` is an
 unbiased estimate of ``||a-b||^2``; with ``m`` buckets its relative std is at
 most ``sqrt(2/m)`` (equality when the difference is spread over many elements,
 less when it sits in a few).  So

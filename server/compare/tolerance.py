@@ -16,8 +16,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinstep import phases
-from twinstep.phases import STEP_ORDER
+from twinstep.wire import phases
+from twinstep.wire.phases import STEP_ORDER
 
 #: Metrics from statistics, then from full tensors, then estimated from sketches (their
 #: lower confidence bounds; judged by the tolerances of rel_l2 and cosine).  "shape" and
@@ -117,7 +117,7 @@ class Override:
     pattern: str
     """Glob over baseline names (module or parameter)."""
     phase: str = "*"
-    """One of twinstep.phases.STEP_ORDER, "record" (named records) or "*"."""
+    """One of twinstep.wire.phases.STEP_ORDER, "record" (named records) or "*"."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Callable, Iterable
 
-from twinstep import phases
+from twinstep.wire import phases
 
 #: Names sent to one run for one change, at most (beyond it the patterns alone are sent).
 MAX_NAMES = 512

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Collection, Mapping, Protocol
 
-from twinstep import phases
+from twinstep.wire import phases
 from twinstep.server.align.coverage import CoverageLedger
 from twinstep.server.align.step_ranges import StepRanges
 from twinstep.server.detect.gaps import MAX_LISTED_GAPS, Side, find_gaps

@@ -2,7 +2,7 @@
 
 Order: earliest step; within a step forward, loss, backward, grad, param,
 and each named record where the baseline recorded it (before the forward,
-after it, or after the backward: twinstep.phases.record_position);
+after it, or after the backward: twinstep.wire.phases.record_position);
 within a phase the baseline's record order (outputs in the order they were
 produced, gradients in the order backward produced them); then rank.  A
 divergence at step s is declared once, for every rank, both runs have
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from twinstep.phases import STEP_ORDER, record_position, step_position
+from twinstep.wire.phases import STEP_ORDER, record_position, step_position
 import numpy as np
 
 from twinstep.server.compare.comparator import Row, Rows, StepComparison

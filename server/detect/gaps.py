@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from twinstep.phases import step_position
+from twinstep.wire.phases import step_position
 from twinstep.server.align.coverage import CoverageLedger, RankCoverage
 from twinstep.server.align.step_ranges import StepRanges
 from twinstep.v1 import twinstep_pb2 as pb

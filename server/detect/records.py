@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from twinstep import codec
+from twinstep.wire import codec
 from twinstep.server.compare.comparator import Rows, StepComparison
 from twinstep.server.compare.tolerance import METRICS, RECORD
 from twinstep.server.ingest.step import StepData

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twinstep import phases
+from twinstep.wire import phases
 from twinstep.server.compare.comparator import Rows, StepComparison
 from twinstep.server.compare.tolerance import METRICS
 from twinstep.v1 import twinstep_pb2 as pb

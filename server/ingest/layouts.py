@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from twinstep import phases
-from twinstep.codec import WIRE_TO_DTYPE
+from twinstep.wire import phases
+from twinstep.wire.codec import WIRE_TO_DTYPE
 from twinstep.server.errors import invalid
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ msprobe                                                twinstep record (phase, m
 Gradients with respect to a module's inputs (a backward entry's ``output``) are
 not a twinstep phase and are left out; so is anything that is not a tensor.
 
-Statistics.  twinstep compares mergeable statistics (twinstep.stats): element
+Statistics.  twinstep compares mergeable statistics (twinstep.wire.stats): element
 count, sum, sum of squares, min, max, max |x|, NaN and Inf counts, and the
 centred sum m2.  From msprobe's four: count = the shape's product, sum = Mean x
 count, sum of squares = Norm², min and max as they are, max |x| = max(|Min|,
@@ -49,9 +49,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from twinstep import phases
+from twinstep.wire import phases
 from twinstep._version import PROTOCOL_VERSION, __version__
-from twinstep.codec import DTYPE_TO_WIRE
+from twinstep.wire.codec import DTYPE_TO_WIRE
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: msprobe tasks whose dump.json holds statistics (the tensor task writes them beside its .pt files).
@@ -157,7 +157,7 @@ class Record:
     dtype: str
     shape: tuple[int, ...]
     stats: tuple[int, float, float, float, float, float, int, int, float]
-    """count, sum, sum_sq, min, max, abs_max, nan_count, inf_count, m2 (twinstep.stats.FIELDS)."""
+    """count, sum, sum_sq, min, max, abs_max, nan_count, inf_count, m2 (twinstep.wire.stats.FIELDS)."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from twinstep import codec
+from twinstep.wire import codec
 from twinstep.server.errors import invalid
 from twinstep.v1 import twinstep_pb2 as pb
 

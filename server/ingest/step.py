@@ -16,7 +16,7 @@ class StepData:
 
     step: int
     rank: int
-    phase: np.ndarray  # int, pb.Phase values (twinstep.phases)
+    phase: np.ndarray  # int, pb.Phase values (twinstep.wire.phases)
     names: list[str]
     types: list[str]  # module type (FORWARD/BACKWARD) or owning module type (GRAD/PARAM)
     call_index: np.ndarray
@@ -30,7 +30,7 @@ class StepData:
     sketch_rows: dict[int, int] = field(default_factory=dict)
     """record index -> row of ``sketches``."""
     sketches: np.ndarray | None = None
-    """[rows, buckets] count-sketches (twinstep.sketch) of some records, or None."""
+    """[rows, buckets] count-sketches (twinstep.wire.sketch) of some records, or None."""
     sketch_spec: tuple[int, int] = (0, 0)
     """(buckets, seed): sketches of two runs compare only when these agree."""
     layout_key: tuple | None = None

@@ -5,7 +5,7 @@ asked for a module's operations), ``align.py`` lines up the two runs'
 sequences, ``compare.py`` names the first operation whose output differs
 while its inputs match, ``inspector.py`` keeps a session's captures until
 both sides are in, ``target.py`` picks the module to ask for after a
-divergence.  The training side is ``twinstep.capture.ops``.
+divergence.  The training side is ``twinstep.runtime.capture.ops``.
 """
 
 from twinstep.server.ops.inspector import OperationsInspector

@@ -23,7 +23,7 @@ from twinstep.server.compare import metrics
 from twinstep.server.compare.tolerance import ToleranceConfig, effective_dtype
 from twinstep.server.ops.align import LAYOUT_OPS, align
 from twinstep.server.ops.trace import OpCall, OpTensor, OpTrace
-from twinstep.stats import FIELDS
+from twinstep.wire.stats import FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: An output error this many times its inputs' is created by the operation, not passed on.

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twinstep.codec import WIRE_TO_DTYPE
+from twinstep.wire.codec import WIRE_TO_DTYPE
 from twinstep.server.errors import invalid
-from twinstep.stats import DEVICE_FIELDS, FIELDS
+from twinstep.wire.stats import DEVICE_FIELDS, FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
 
 MAX_CALLS = 4096
@@ -23,7 +23,7 @@ class OpTensor:
     dtype: str
     shape: tuple[int, ...]
     stats: dict[str, float]
-    """twinstep.stats.FIELDS (count from the shape)."""
+    """twinstep.wire.stats.FIELDS (count from the shape)."""
     values: np.ndarray | None
 
 

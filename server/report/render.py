@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from twinstep import phases
+from twinstep.wire import phases
 from twinstep.server.report.preflight import preflight_lines, preflight_to_dict
 from twinstep.server.report.records import batch_sync_to_dict, record_lines, records_to_dict
 from twinstep.server.report.zoom import tensor_steps_to_dict, zoom_lines, zooms_to_dict

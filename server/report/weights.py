@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twinstep.codec import WIRE_TO_DTYPE
+from twinstep.wire.codec import WIRE_TO_DTYPE
 from twinstep.v1 import twinstep_pb2 as pb
 
 _SHOWN = 10

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from twinstep.netrules import is_loopback
+from twinstep.wire.netrules import is_loopback
 from twinstep.server.security import ServerSecurity
 
 logger = logging.getLogger("twinstep.server")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from twinstep import phases
+from twinstep.wire import phases
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from twinstep._version import __version__
-from twinstep.netrules import is_loopback
+from twinstep.wire.netrules import is_loopback
 from twinstep.server.security import Authorizer, Caller, Denied
 from twinstep.server.view.page import asset, render_page
 from twinstep.server.view.service import ViewService

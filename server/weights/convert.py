@@ -6,10 +6,10 @@ candidate parameter is built from the baseline's parts; a candidate part is
 cut out of a fused baseline parameter), then names after the session's
 mapping (exact, prefix, regex, msprobe layer_mapping), on canonical names
 (MindSpore's ``gamma``/``beta``/``embedding_table`` are torch's
-``weight``/``bias``/``weight``: twinstep.layouts, as in the join).  Automatic matching
+``weight``/``bias``/``weight``: twinstep.wire.layouts, as in the join).  Automatic matching
 is not used: it aligns the statistics of a compared step, and there is none
 before the first step.  Layouts come from the framework and the owning
-module's type (twinstep.layouts), never from shapes, so square weights are
+module's type (twinstep.wire.layouts), never from shapes, so square weights are
 transposed too.
 
 Everything is checked before anything is converted: a shape no rule explains
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from twinstep.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, storage_dtype
-from twinstep.layouts import canonical_parameter_name
+from twinstep.wire.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, storage_dtype
+from twinstep.wire.layouts import canonical_parameter_name
 from twinstep.server.compare import layout
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.v1 import twinstep_pb2 as pb

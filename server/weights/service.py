@@ -19,14 +19,14 @@ from typing import Iterator
 
 import grpc
 
-from twinstep.codec import WIRE_TO_DTYPE, storage_dtype
+from twinstep.wire.codec import WIRE_TO_DTYPE, storage_dtype
 from twinstep.server.errors import InputError, invalid
 from twinstep.server.registry import SessionRegistry
 from twinstep.server.security import Authorizer, Denied
 from twinstep.server.weights.convert import Param, build_plan
 from twinstep.server.weights.store import Publication, WeightStore
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.weight_pieces import MAX_NAME, MAX_PARAMETERS, Assembler, Expected, PieceError, pieces
+from twinstep.wire.weight_pieces import MAX_NAME, MAX_PARAMETERS, Assembler, Expected, PieceError, pieces
 
 logger = logging.getLogger("twinstep.server")
 

@@ -6,7 +6,7 @@ import paddle
 import torch
 
 import twinstep
-from twinstep.demo import model_paddle, model_torch, spec
+from twinstep.tools.demo import model_paddle, model_torch, spec
 
 
 def models(paddle_bug_layers=(), torch_bug_layers=()):

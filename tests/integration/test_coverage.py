@@ -26,7 +26,7 @@ from twinstep.server.config import config_from_dict
 CAPTURE_FAILED = "capture failed: StepNotCaptured: every record failed; the first: AttributeError"
 
 
-def _pair(jobs, server, session, *, steps, cand_extra=(), base_extra=(), bug=None, module="twinstep.demo.job"):
+def _pair(jobs, server, session, *, steps, cand_extra=(), base_extra=(), bug=None, module="twinstep.tools.demo.job"):
     base = jobs("torch", server=server.address, session=session, baseline=True, steps=steps, extra=list(base_extra))
     cand = jobs("paddle", server=server.address, session=session, steps=steps, bug=bug, module=module,
                 extra=list(cand_extra))
@@ -145,7 +145,7 @@ def test_queue_that_overflows_while_the_server_is_paused(tmp_path):
         server.send_signal(signal.SIGSTOP)  # alive, connected, answering nothing
         common = ["--server", address, "--session", "paused", "--steps", "20", "--max-queue-steps", "3",
                   "--step-delay", "0.2"]
-        jobs = [subprocess.Popen([sys.executable, "-m", "twinstep.demo.job", "--framework", framework, *common, *extra],
+        jobs = [subprocess.Popen([sys.executable, "-m", "twinstep.tools.demo.job", "--framework", framework, *common, *extra],
                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for framework, extra in (("torch", ["--baseline"]), ("paddle", ["--bug", "gelu_tanh"]))]
         outputs = [_Lines(job) for job in jobs]

@@ -1,7 +1,7 @@
 """A torch baseline and its MindSpore port (PyNative), each a real process, streaming to a real server.
 
 Skips where MindSpore is not installed (the legs without it) or runs with numpy 2
-(MindSpore's 2.x wheels are built against numpy 1.x: client/environment.py).
+(MindSpore's 2.x wheels are built against numpy 1.x: client/runtime/environment.py).
 """
 
 from __future__ import annotations

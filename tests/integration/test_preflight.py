@@ -20,7 +20,7 @@ from tests.integration.rawclient import RawStream, hello
 from tests.integration.test_zero_code import clean_env, script, twinstep_run
 from twinstep.server import ServerConfig, serve
 from twinstep.server.report.render import render_text
-from twinstep.setup import setup_value
+from twinstep.runtime.setup import setup_value
 from twinstep.v1 import twinstep_pb2 as pb
 
 SESSION = "preflight-zero-code"

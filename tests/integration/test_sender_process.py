@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import wait_for
-from twinstep.transport.shared_memory import AVAILABLE
+from twinstep.runtime.transport.shared_memory import AVAILABLE
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="shared memory files are Linux's")
 
@@ -29,13 +29,13 @@ def _children(pid: int) -> list[int]:
 
 
 def _sender_of(job_pid: int) -> int:
-    """The job's sender process: its child running twinstep.transport.sidecar_main."""
+    """The job's sender process: its child running twinstep.runtime.transport.sidecar_main."""
     for child in _children(job_pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"twinstep.transport.sidecar_main" in cmdline:
+        if b"twinstep.runtime.transport.sidecar_main" in cmdline:
             return child
     return 0
 
@@ -145,8 +145,8 @@ def test_auto_picks_a_sender_process_for_tensors_of_a_cpu_model_only(server):
     import torch
 
     import twinstep
-    from twinstep.transport import StreamClient
-    from twinstep.transport.sidecar import SidecarClient
+    from twinstep.runtime.transport import StreamClient
+    from twinstep.runtime.transport.sidecar import SidecarClient
 
     model = torch.nn.Linear(4, 4)
     chosen = {}

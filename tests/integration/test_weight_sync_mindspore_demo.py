@@ -16,7 +16,7 @@ from tests.mindspore_env import skip_module_without_mindspore
 
 skip_module_without_mindspore()
 
-from twinstep.demo import spec  # noqa: E402
+from twinstep.tools.demo import spec  # noqa: E402
 
 STEPS = 4
 

@@ -180,7 +180,7 @@ def test_run_execs_the_command_chaining_sitecustomize_and_keeping_its_exit_code(
     (tmp_path / "sitecustomize.py").write_text("MARK = 'the site one ran'\n")
     env = clean_env(PYTHONPATH=str(tmp_path))
     probe = ("import os, sys, sitecustomize; print(sitecustomize.MARK); "
-             "print('armed', 'twinstep.autoattach' in sys.modules, os.environ['TWINSTEP_EVERY']); sys.exit(7)")
+             "print('armed', 'twinstep.runtime.autoattach' in sys.modules, os.environ['TWINSTEP_EVERY']); sys.exit(7)")
     ran = subprocess.run([sys.executable, "-m", "twinstep", "run", "--session", "s", "--run", "r", "--server",
                           "127.0.0.1:9", "--every", "3", "--", sys.executable, "-c", probe],
                          env=env, capture_output=True, text=True, timeout=60)

@@ -2,7 +2,7 @@
 
 The two jobs must differ only in the framework (and an injected --bug), so the
 arguments, the step loop, the twinstep calls and the result file are defined once
-here. The loop is the one of client/demo/job.py: forward + loss + backward +
+here. The loop is the one of client/tools/demo/job.py: forward + loss + backward +
 optimizer step inside ``trainer.train_step``, then ``mon.step(loss=loss)`` before the
 gradients are cleared, and ``twinstep.Halted`` ends the run cleanly.
 """
@@ -39,7 +39,7 @@ class _NoMonitor:
 
 
 def parser(prog: str, description: str, framework: str) -> argparse.ArgumentParser:
-    """The CLI of client/demo/job.py (minus --framework), plus --model and --weights."""
+    """The CLI of client/tools/demo/job.py (minus --framework), plus --model and --weights."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--model", choices=models.MODEL_NAMES, required=True)
     p.add_argument("--steps", type=int, default=20)

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model not in MODELS:
         raise SystemExit(f"mindspore_job: no MindSpore port of {args.model!r}; choose from {', '.join(MODELS)}")
     # --init-from-baseline: no conversion here; twinstep's attach loads the baseline's weights (weight sync),
-    # embed_tokens.weight as embed_tokens.embedding_table by itself (twinstep.layouts).
+    # embed_tokens.weight as embed_tokens.embedding_table by itself (twinstep.wire.layouts).
     state = None if args.init_from_baseline else wait_for_weights(args.weights, {"model": args.model, "seed": args.seed})
     trainer = MindSporePort(args.seed, state, args.bug)
     return loop.run(args, trainer, {"framework": "mindspore", "bug": args.bug})

@@ -19,10 +19,11 @@ import torch  # before MindSpore: fine (only paddle before MindSpore clashes)
 import mindspore
 from mindspore import nn
 
-from twinstep import sketch, stats, values
-from twinstep.capture.mindspore import GraphModeError, MindSporeBackend
-from twinstep.capture.mindspore.backend import _device_row
-from twinstep.capture.recorder import CaptureConfig, Recorder
+from twinstep.wire import sketch, stats
+from twinstep.runtime import values
+from twinstep.runtime.capture.mindspore import GraphModeError, MindSporeBackend
+from twinstep.runtime.capture.mindspore.backend import _device_row
+from twinstep.runtime.capture.recorder import CaptureConfig, Recorder
 from twinstep.v1 import twinstep_pb2 as pb
 
 LR = 0.1

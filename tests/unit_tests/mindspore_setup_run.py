@@ -20,7 +20,7 @@ import numpy as np
 from mindspore import nn, ops
 from mindspore.experimental.optim import AdamW
 
-from twinstep.setup import SetupCollector
+from twinstep.runtime.setup import SetupCollector
 
 mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
 mindspore.set_seed(7)

@@ -18,7 +18,7 @@ from mindspore import nn
 
 import twinstep
 from twinstep.server import ServerConfig, serve
-from twinstep.weights import mindspore as ms_loader
+from twinstep.runtime.weights import mindspore as ms_loader
 
 mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
 findings: dict = {}

@@ -28,7 +28,7 @@ def top_level(modules: set[str]) -> set[str]:
 
 
 def test_capture_code_never_imports_grpc():
-    for path in (ROOT / "client" / "capture").rglob("*.py"):
+    for path in (ROOT / "client" / "runtime" / "capture").rglob("*.py"):
         assert "grpc" not in top_level(imported_modules(path)), path
 
 
@@ -36,18 +36,18 @@ def test_server_never_imports_a_framework():
     for path in (ROOT / "server").rglob("*.py"):
         mods = imported_modules(path)
         assert not top_level(mods) & {"torch", "paddle"}, path
-        assert not any(m.startswith(("twinstep.capture", "twinstep.api", "twinstep.transport")) for m in mods), path
+        assert not any(m.startswith(("twinstep.runtime", "twinstep.cli", "twinstep.tools")) for m in mods), path
 
 
 def test_each_capture_backend_imports_only_its_framework():
     for framework, other in (("torch", "paddle"), ("paddle", "torch")):
-        for path in (ROOT / "client" / "capture" / framework).rglob("*.py"):
+        for path in (ROOT / "client" / "runtime" / "capture" / framework).rglob("*.py"):
             assert other not in top_level(imported_modules(path)), path
 
 
 def test_backends_share_file_names():
-    torch_files = sorted(p.name for p in (ROOT / "client" / "capture" / "torch").glob("*.py"))
-    paddle_files = sorted(p.name for p in (ROOT / "client" / "capture" / "paddle").glob("*.py"))
+    torch_files = sorted(p.name for p in (ROOT / "client" / "runtime" / "capture" / "torch").glob("*.py"))
+    paddle_files = sorted(p.name for p in (ROOT / "client" / "runtime" / "capture" / "paddle").glob("*.py"))
     assert torch_files == paddle_files
 
 
@@ -80,11 +80,10 @@ def test_a_torch_job_never_imports_paddle(tmp_path):
 
 #: Client modules the server may use: the contract and framework-neutral definitions, nothing that
 #: runs on the training side (api, capture, transport, kernels, cli, demo, inprocess).
-SHARED = {"twinstep", "twinstep._version", "twinstep.phases", "twinstep.codec", "twinstep.stats",
-          "twinstep.sketch", "twinstep.layouts", "twinstep.environment", "twinstep.netrules",
-          "twinstep.weight_pieces"}  # weight sync's pieces: both ends cut and assemble them alike
-TRAINING_SIDE = ("twinstep.api", "twinstep.capture", "twinstep.transport", "twinstep.kernels", "twinstep.cli",
-                 "twinstep.demo", "twinstep.inprocess")
+SHARED = {"twinstep", "twinstep._version", "twinstep.wire", "twinstep.wire.phases", "twinstep.wire.codec",
+          "twinstep.wire.stats", "twinstep.wire.sketch", "twinstep.wire.layouts", "twinstep.wire.netrules",
+          "twinstep.wire.weight_pieces"}  # weight sync's pieces: both ends cut and assemble them alike
+TRAINING_SIDE = ("twinstep.runtime", "twinstep.cli", "twinstep.tools")
 
 
 def _module_files() -> dict[str, Path]:
@@ -160,21 +159,30 @@ def test_the_client_package_loads_its_runtime_only_when_asked():
     import sys
 
     script = ("import sys, twinstep\n"
-              "assert 'twinstep.api' not in sys.modules\n"
+              "assert 'twinstep.runtime.api' not in sys.modules\n"
               "twinstep.attach\n"
-              "assert 'twinstep.api' in sys.modules\n"
+              "assert 'twinstep.runtime.api' in sys.modules\n"
               "assert twinstep.Halted.__module__ == 'twinstep.errors'\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
 
 
+def test_the_wire_definitions_stand_alone():
+    """Both sides load twinstep.wire: at import time it needs no framework, no gRPC and no runtime module."""
+    for path in (ROOT / "client" / "wire").rglob("*.py"):
+        mods = _import_time_imports(path)
+        assert not top_level(mods) & {"torch", "paddle", "mindspore", "grpc", "numba"}, path
+        assert not any(m.startswith(("twinstep.runtime", "twinstep.cli", "twinstep.tools", "twinstep.server"))
+                       for m in mods), path
+
+
 def test_one_module_owns_the_phase_vocabulary():
-    """No list, tuple or set of (most of) the phase names outside twinstep.phases.
+    """No list, tuple or set of (most of) the phase names outside twinstep.wire.phases.
 
     Tables keyed by phase (tolerances per phase) are configuration, not vocabulary, and may name them.
     """
     names = {"forward", "loss", "backward", "grad", "param", "input"}
-    owner = ROOT / "client" / "phases.py"
+    owner = ROOT / "client" / "wire" / "phases.py"
     offenders = []
     for folder in ("client", "server"):
         for path in (ROOT / folder).rglob("*.py"):

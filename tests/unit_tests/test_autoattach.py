@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import twinstep
-from twinstep.autoattach import installer as installer_module
-from twinstep.autoattach import postimport
+from twinstep.runtime.autoattach import installer as installer_module
+from twinstep.runtime.autoattach import postimport
 from tests.conftest import last_step, run_status, wait_for
 
 # torch's own, taken before any test installs a probe (a wrapper copies their names).
@@ -41,7 +41,7 @@ def session_env(monkeypatch, server):
 
 @pytest.fixture
 def torch_probe():
-    from twinstep.autoattach.torch import TorchProbe
+    from twinstep.runtime.autoattach.torch import TorchProbe
 
     probe = TorchProbe()
     yield probe
@@ -165,7 +165,7 @@ def test_torch_halt_passes_through_optimizer_step(session_env, server, torch_pro
 
 def test_paddle_attaches_inside_its_own_optimizers_and_restores_everything(session_env, server, capsys):
     paddle = pytest.importorskip("paddle")
-    from twinstep.autoattach.paddle import PaddleProbe
+    from twinstep.runtime.autoattach.paddle import PaddleProbe
 
     session_env("auto-paddle")
     paddle.seed(0)
@@ -227,7 +227,7 @@ def test_each_probe_imports_only_its_framework():
     import ast
     from pathlib import Path
 
-    folder = Path(twinstep.__file__).parent / "autoattach"
+    folder = Path(twinstep.__file__).parent / "runtime" / "autoattach"
     for framework, other in (("torch", "paddle"), ("paddle", "torch")):
         tree = ast.parse((folder / f"{framework}.py").read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
@@ -242,12 +242,12 @@ def test_the_armed_bootstrap_loads_no_framework_and_no_runtime():
     import os
     import subprocess
 
-    from twinstep.autoattach import BOOTSTRAP_DIR
+    from twinstep.runtime.autoattach import BOOTSTRAP_DIR
 
     env = {**os.environ, "PYTHONPATH": BOOTSTRAP_DIR, "TWINSTEP_AUTO_ATTACH": "1"}
     script = ("import sys\n"
-              "assert 'twinstep.autoattach' in sys.modules, 'the bootstrap did not run'\n"
-              "heavy = {'torch', 'paddle', 'numpy', 'grpc', 'yaml', 'twinstep.api', 'twinstep.settings'} & set(sys.modules)\n"
+              "assert 'twinstep.runtime.autoattach' in sys.modules, 'the bootstrap did not run'\n"
+              "heavy = {'torch', 'paddle', 'numpy', 'grpc', 'yaml', 'twinstep.runtime.api', 'twinstep.runtime.settings'} & set(sys.modules)\n"
               "assert not heavy, heavy\n"
               f"assert {BOOTSTRAP_DIR!r} not in sys.path\n")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import twinstep
-from twinstep.batches import wire
+from twinstep.runtime.batches import wire
 from twinstep.errors import BatchSyncError
 from twinstep.server import ServerConfig, serve
 from twinstep.server.batches.buffer import BatchBuffer
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.values import UnsupportedValue
+from twinstep.runtime.values import UnsupportedValue
 
 paddle = pytest.importorskip("paddle")
 

@@ -2,7 +2,7 @@
 
 The MindSpore side runs in a fresh process (tests/unit_tests/mindspore_capture_run.py): MindSpore's CPU
 kernels fail to load after paddle's in one process.  Skips where MindSpore is not installed, or runs
-with numpy 2 (its 2.x wheels are built against numpy 1.x: client/environment.py).
+with numpy 2 (its 2.x wheels are built against numpy 1.x: client/runtime/environment.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twinstep.environment import mindspore_numpy_conflict
-from twinstep.layouts import canonical_parameter_name
+from twinstep.runtime.environment import mindspore_numpy_conflict
+from twinstep.wire.layouts import canonical_parameter_name
 
 _HERE = Path(__file__).parent
 _MISSING = importlib.util.find_spec("mindspore") is None

@@ -1,4 +1,4 @@
-"""twinstep.codec: lossless and lossy round trips, error bounds, and refusal of bad payloads."""
+"""twinstep.wire.codec: lossless and lossy round trips, error bounds, and refusal of bad payloads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from twinstep import codec
+from twinstep.wire import codec
 from twinstep.server.compare import metrics
 from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.v1 import twinstep_pb2 as pb
@@ -103,10 +103,10 @@ def test_bfloat16_bits_widen_to_float32():
 def _backend(name):
     pytest.importorskip(name)
     if name == "torch":
-        from twinstep.capture.torch import TorchBackend
+        from twinstep.runtime.capture.torch import TorchBackend
 
         return TorchBackend()
-    from twinstep.capture.paddle import PaddleBackend
+    from twinstep.runtime.capture.paddle import PaddleBackend
 
     return PaddleBackend()
 

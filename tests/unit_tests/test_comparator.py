@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from twinstep import codec, stats
+from twinstep.wire import codec, stats
 from twinstep.server.compare.comparator import CompareContext, compare_step
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.ingest.decode import decode_step
@@ -744,7 +744,7 @@ def test_fused_module_input_is_each_parts_input():
 
 def sketched(records: list[Rec], spec=None, transpose: frozenset[str] = frozenset()):
     """A decoded step whose records all carry count-sketches (names in ``transpose`` sketched as their transpose)."""
-    from twinstep import sketch
+    from twinstep.wire import sketch
 
     spec = spec or sketch.SketchSpec()
     msg, manifest = build(records)
@@ -782,7 +782,7 @@ def test_identical_and_transposed_layouts_sketch_alike():
 
 
 def test_sketches_of_other_settings_are_not_compared():
-    from twinstep import sketch
+    from twinstep.wire import sketch
 
     x = _rng(10).normal(size=(4, 64)).astype(np.float32)
     other = sketch.SketchSpec(buckets=128)

@@ -1,4 +1,4 @@
-"""The capture backends' device statistics against twinstep.stats.of_array (float64).
+"""The capture backends' device statistics against twinstep.wire.stats.of_array (float64).
 
 Each backend has two implementations: the CPU path (a few vectorised passes,
 branches on host values, which costs nothing on CPU) and the device path used
@@ -15,7 +15,8 @@ import pytest
 
 from tests.unit_tests.test_stats import _exact_m2, _rng
 from tests.conftest import use_kernels, use_numpy_path
-from twinstep import _kernels_numba, stats
+from twinstep.runtime import _kernels_numba
+from twinstep.wire import stats
 from twinstep.v1 import twinstep_pb2 as pb
 
 N_FIELDS = len(stats.DEVICE_FIELDS)
@@ -28,8 +29,8 @@ class _Torch:
     def __init__(self):
         import torch
 
-        from twinstep.capture.torch import TorchBackend
-        from twinstep.capture.torch.backend import _device_row
+        from twinstep.runtime.capture.torch import TorchBackend
+        from twinstep.runtime.capture.torch.backend import _device_row
 
         self.torch = torch
         self.backend = TorchBackend()
@@ -65,8 +66,8 @@ class _Paddle:
     def __init__(self):
         import paddle
 
-        from twinstep.capture.paddle import PaddleBackend
-        from twinstep.capture.paddle.backend import _device_row
+        from twinstep.runtime.capture.paddle import PaddleBackend
+        from twinstep.runtime.capture.paddle.backend import _device_row
 
         self.paddle = paddle
         self.backend = PaddleBackend()
@@ -438,7 +439,7 @@ def _wrapped(framework: str, in_place: bool):
 def test_recorder_reuses_statistics_of_a_tensor_recorded_twice(framework, in_place):
     # The root returns its child's output (and autograd hands both the same gradient):
     # one pass each, unless the tensor was modified in place in between.
-    from twinstep.capture import CaptureConfig, Recorder
+    from twinstep.runtime.capture import CaptureConfig, Recorder
 
     model, x = _wrapped(framework, in_place)
     fw = _framework(framework)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import twinstep
-from twinstep import environment, stats
-from twinstep.transport.stream import check_target
+from twinstep.runtime import environment
+from twinstep.wire import stats
+from twinstep.runtime.transport.stream import check_target
 
 ROOT = Path(__file__).resolve().parents[2]
 

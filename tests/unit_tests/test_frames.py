@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from twinstep.transport import frames
+from twinstep.runtime.transport import frames
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "send_fds"), reason="descriptor passing is Unix's")
 
@@ -83,7 +83,7 @@ def test_anything_but_a_frame_is_refused_with_a_clear_error():
 
 
 def test_the_sender_process_refuses_another_frame_version_and_frames_before_start():
-    from twinstep.transport.sidecar_main import SenderProcess
+    from twinstep.runtime.transport.sidecar_main import SenderProcess
 
     for first, words in ((dataclasses.replace(EXAMPLES[0], version=frames.VERSION + 1), "frame version"),
                          (frames.Health(b""), "Health frame before Start"),

@@ -1,4 +1,4 @@
-"""twinstep.kernels: the compiled one-pass kernels, their background load and their fallbacks.
+"""twinstep.runtime.kernels: the compiled one-pass kernels, their background load and their fallbacks.
 
 How the capture backends use them (and the numbers they then produce) is
 tested in test_device_stats.py, with and without the kernels.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import _KERNELS, use_kernels
-from twinstep import _kernels_numba, kernels
+from twinstep.runtime import _kernels_numba, kernels
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -60,7 +60,7 @@ def test_kernels_can_be_switched_off(monkeypatch):
 
 def test_a_child_forked_while_the_kernels_load_keeps_numpy_and_does_not_hang(monkeypatch):
     # The parent's loading thread may hold numba's compiler lock at the fork; the child must not wait on it.
-    from twinstep import _kernels_numba
+    from twinstep.runtime import _kernels_numba
 
     monkeypatch.setenv(kernels.ENV_SWITCH, "1")
     loader = kernels._Loader()
@@ -121,8 +121,8 @@ def test_a_program_that_ends_while_the_kernels_load_waits_for_them_before_the_in
 
     program = (
         "import atexit\n"
-        "atexit.register(lambda: print('state at exit:', __import__('twinstep').kernels.state(), flush=True))\n"
-        "from twinstep import kernels\n"
+        "atexit.register(lambda: print('state at exit:', __import__('twinstep.runtime.kernels').runtime.kernels.state(), flush=True))\n"
+        "from twinstep.runtime import kernels\n"
         "kernels.one_pass_moments(__import__('numpy').ones(4, dtype='float32'))  # starts the load\n"
         "print('state at the end:', kernels.state(), flush=True)\n"
     )

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from twinstep import codec
+from twinstep.wire import codec
 from twinstep.server.compare import metrics
 from twinstep.server.compare.lossy import lossy_bounds
 from twinstep.server.compare.tolerance import ToleranceConfig
@@ -55,8 +55,8 @@ def test_the_budget_keeps_a_forward_verdict_on_real_data():
 def test_a_lossy_client_quantises_each_tensor_within_its_phase_budget():
     import torch
 
-    from twinstep.capture import CaptureConfig, Recorder, backend_for
-    from twinstep.transport.messages import TensorEncoder, encoded_pieces
+    from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+    from twinstep.runtime.transport.messages import TensorEncoder, encoded_pieces
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))

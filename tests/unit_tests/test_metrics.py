@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from twinstep import stats
+from twinstep.wire import stats
 from twinstep.server.compare import metrics
 
 

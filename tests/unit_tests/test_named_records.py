@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from tests.unit_tests.test_recorder import toy
-from twinstep import phases
-from twinstep.capture import CaptureConfig, Recorder, backend_for
-from twinstep.capture.named import NamedRecords
+from twinstep.wire import phases
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+from twinstep.runtime.capture.named import NamedRecords
 from twinstep.server.compare.comparator import Row, StepComparison
 from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.server.detect.first_divergence import FirstDivergenceTracker
@@ -16,9 +16,9 @@ from twinstep.server.detect.stage import describe, record_kind
 from twinstep.server.errors import InputError
 from twinstep.server.ingest.decode import decode_step
 from twinstep.server.ingest.manifest import Manifest
-from twinstep.stats import DEVICE_FIELDS
+from twinstep.wire.stats import DEVICE_FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.values import statistics_row, to_host
+from twinstep.runtime.values import statistics_row, to_host
 
 
 @pytest.mark.parametrize("framework", ["torch", "paddle"])

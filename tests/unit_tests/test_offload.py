@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from twinstep.capture import CaptureConfig, Recorder, backend_for
-from twinstep.capture.offload import StatsOffload
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+from twinstep.runtime.capture.offload import StatsOffload
 from twinstep.v1 import twinstep_pb2 as pb
 
 FRAMEWORKS = ["torch", "paddle"]
@@ -93,7 +93,7 @@ def model_and_step(framework: str, *, inplace_from: int | None = None):
 @pytest.fixture(autouse=True, scope="module")
 def compiled_kernels():
     """Both paths use the compiled kernel: before it loads, torch's inline path sums large tensors with torch."""
-    from twinstep import kernels
+    from twinstep.runtime import kernels
 
     kernels.wait(120)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from twinstep.capture.ops import OpsCapture, canonical
-from twinstep.demo import spec
+from twinstep.runtime.capture.ops import OpsCapture, canonical
+from twinstep.tools.demo import spec
 from twinstep.v1 import twinstep_pb2 as pb
 
 CFG = spec.ModelConfig(seed=0)
@@ -17,14 +17,14 @@ def _model(framework: str):
     if framework == "torch":
         import torch
 
-        from twinstep.capture.torch import TorchBackend
-        from twinstep.demo.model_torch import build_model
+        from twinstep.runtime.capture.torch import TorchBackend
+        from twinstep.tools.demo.model_torch import build_model
 
         return build_model(CFG, weights), TorchBackend(), torch.tensor(ids)
     import paddle
 
-    from twinstep.capture.paddle import PaddleBackend
-    from twinstep.demo.model_paddle import build_model
+    from twinstep.runtime.capture.paddle import PaddleBackend
+    from twinstep.tools.demo.model_paddle import build_model
 
     return build_model(CFG, weights), PaddleBackend(), paddle.to_tensor(ids)
 

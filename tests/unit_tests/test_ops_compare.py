@@ -11,7 +11,7 @@ from twinstep.server.ops import OperationsInspector
 from twinstep.server.ops.align import align
 from twinstep.server.ops.compare import compare_traces
 from twinstep.server.ops.trace import decode_trace
-from twinstep.stats import DEVICE_FIELDS
+from twinstep.wire.stats import DEVICE_FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
 
 TOL = ToleranceConfig()

@@ -7,7 +7,7 @@ import pytest
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.errors import InputError
 from twinstep.server.preflight import PreflightTracker, check_setup, diff_setups
-from twinstep.setup import setup_value
+from twinstep.runtime.setup import setup_value
 from twinstep.v1 import twinstep_pb2 as pb
 
 QKV = ["layers.0.attn.q_proj", "layers.0.attn.k_proj", "layers.0.attn.v_proj"]

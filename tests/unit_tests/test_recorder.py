@@ -7,8 +7,8 @@ import inspect
 import numpy as np
 import pytest
 
-from twinstep.capture import CaptureConfig, Recorder, backend_for
-from twinstep.capture.recorder import StepNotCaptured
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+from twinstep.runtime.capture.recorder import StepNotCaptured
 from twinstep.v1 import twinstep_pb2 as pb
 
 FRAMEWORKS = ["torch", "paddle"]

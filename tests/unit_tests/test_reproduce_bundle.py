@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from twinstep.cli.main import main as cli
-from twinstep.reproduce.bundle import VERSION, BundleError, read_bundle
-from twinstep.reproduce.capture import BundleCapture
-from twinstep.reproduce.replay import reproduce
+from twinstep.tools.reproduce.bundle import VERSION, BundleError, read_bundle
+from twinstep.tools.reproduce.capture import BundleCapture
+from twinstep.tools.reproduce.replay import reproduce
 from twinstep.v1 import twinstep_pb2 as pb
 
 SPEC = pb.ZoomSpec(id=3, modules=["act"], capture="tensors", first_step=4, last_step=4, bundle_module="act",

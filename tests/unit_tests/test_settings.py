@@ -1,4 +1,4 @@
-"""twinstep.settings: arguments > TWINSTEP_* environment > config file > defaults, and errors that name the culprit."""
+"""twinstep.runtime.settings: arguments > TWINSTEP_* environment > config file > defaults, and errors that name the culprit."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import twinstep
-from twinstep import settings
-from twinstep.api import attach
-from twinstep.capture.recorder import CAPTURE_MODES
-from twinstep.transport.messages import COMPRESSIONS
+from twinstep.runtime import settings
+from twinstep.runtime.api import attach
+from twinstep.runtime.capture.recorder import CAPTURE_MODES
+from twinstep.runtime.transport.messages import COMPRESSIONS
 from tests.conftest import run_status
 
 

@@ -1,11 +1,11 @@
-"""The set-up collectors (twinstep.setup) on real torch and paddle models and optimizers."""
+"""The set-up collectors (twinstep.runtime.setup) on real torch and paddle models and optimizers."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.setup_views import groups as _groups, modules as _modules, run_wide as _run_wide
-from twinstep.setup import SetupCollector
+from twinstep.runtime.setup import SetupCollector
 
 
 def _torch_model():

@@ -1,4 +1,4 @@
-"""The MindSpore set-up collector (twinstep.setup.mindspore) on real cells and optimizers, diffed against torch twins.
+"""The MindSpore set-up collector (twinstep.runtime.setup.mindspore) on real cells and optimizers, diffed against torch twins.
 
 The MindSpore side runs in a fresh process (tests/unit_tests/mindspore_setup_run.py): MindSpore's CPU
 kernels fail to load after paddle's in one process.  The torch twins are built here, and the server's
@@ -23,7 +23,7 @@ from tests.setup_views import groups as _groups, modules as _modules, run_wide a
 
 from twinstep.server.compare.mapping import NameMapping
 from twinstep.server.preflight.diff import diff_setups
-from twinstep.setup import SetupCollector
+from twinstep.runtime.setup import SetupCollector
 from twinstep.v1 import twinstep_pb2 as pb
 
 _HERE = Path(__file__).parent

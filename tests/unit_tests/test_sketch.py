@@ -1,4 +1,4 @@
-"""Count-sketches: the definition (twinstep.sketch), the torch and paddle device
+"""Count-sketches: the definition (twinstep.wire.sketch), the torch and paddle device
 sketchers, and the server's estimates of rel_l2 and cosine from two sketches.
 
 The numpy reference ``sketch_array`` hashes element by element; the device
@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from twinstep import sketch
-from twinstep.capture.torch.sketch import TorchSketcher
+from twinstep.wire import sketch
+from twinstep.runtime.capture.torch.sketch import TorchSketcher
 from twinstep.server.compare import sketch as estimate
 from twinstep.server.compare.metrics import from_tensors
-from twinstep.sketch import SketchSpec
+from twinstep.wire.sketch import SketchSpec
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="No ccache found")
     import paddle
 
-from twinstep.capture.paddle.sketch import PaddleSketcher  # noqa: E402
+from twinstep.runtime.capture.paddle.sketch import PaddleSketcher  # noqa: E402
 
 RNG_SEED = 20240611
 SPEC = SketchSpec()
@@ -105,7 +105,7 @@ def test_tables_are_identical_in_another_process():
     values = np.sin(np.arange(100_000, dtype=np.float64))
     script = (
         "import numpy as np, sys\n"
-        "from twinstep import sketch\n"
+        "from twinstep.wire import sketch\n"
         "spec = sketch.SketchSpec(buckets=128, seed=12345)\n"
         "np.save(sys.stdout.buffer, sketch.folded_index(np.arange(0, 50_000_000, 4999), spec))\n"
         "np.save(sys.stdout.buffer, sketch.sketch_array(np.sin(np.arange(100_000, dtype=np.float64)), spec))\n"

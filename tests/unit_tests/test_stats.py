@@ -1,4 +1,4 @@
-"""twinstep.stats: float64 reference tables, derived values, merging, and m2 on the wire.
+"""twinstep.wire.stats: float64 reference tables, derived values, merging, and m2 on the wire.
 
 The capture backends' device statistics are tested against of_array in
 test_device_stats.py.
@@ -11,12 +11,12 @@ import math
 import numpy as np
 import pytest
 
-from twinstep import stats
-from twinstep.capture.recorder import StepBatch
+from twinstep.wire import stats
+from twinstep.runtime.capture.recorder import StepBatch
 from twinstep.server.ingest.decode import decode_step
 from twinstep.server.ingest.manifest import Manifest
 from twinstep.server.errors import InputError
-from twinstep.transport.messages import step_message
+from twinstep.runtime.transport.messages import step_message
 from twinstep.v1 import twinstep_pb2 as pb
 
 RNG_SEED = 20240611

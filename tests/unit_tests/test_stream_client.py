@@ -12,9 +12,9 @@ from tests.conftest import last_step as server_last_step
 from tests.conftest import run_status, wait_for
 from tests.unit_tests.tiny_server import TinyServer, TinyServicer
 from twinstep._version import PROTOCOL_VERSION
-from twinstep.capture.recorder import StepBatch
+from twinstep.runtime.capture.recorder import StepBatch
 from twinstep.server import serve
-from twinstep.transport import StreamClient, StreamConfig
+from twinstep.runtime.transport import StreamClient, StreamConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
 

@@ -9,12 +9,12 @@ from tests.conftest import last_step
 from google.protobuf.message import DecodeError
 
 from tests.unit_tests.test_recorder import FRAMEWORKS, toy
-from twinstep import codec
-from twinstep.capture import CaptureConfig, Recorder, backend_for
+from twinstep.wire import codec
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
 from twinstep.server import ServerConfig
 from twinstep.server.ingest.pieces import PieceCollector
 from twinstep.server.ingest.wire import ReceivedPiece, Unreadable, parse_client_message
-from twinstep.transport.messages import TensorEncoder, encoded_pieces, step_message
+from twinstep.runtime.transport.messages import TensorEncoder, encoded_pieces, step_message
 from twinstep.v1 import twinstep_pb2 as pb
 
 
@@ -106,7 +106,7 @@ def test_pool_reuse_across_steps_with_torch():
 
 
 def test_the_pool_keeps_at_most_its_cap_of_free_buffers():
-    from twinstep.capture.buffers import HostBufferPool
+    from twinstep.runtime.capture.buffers import HostBufferPool
 
     pool = HostBufferPool(lambda n: np.empty(n, np.uint8), max_free_bytes=1000)
     buffers = [pool.take(400) for _ in range(3)]
@@ -131,7 +131,7 @@ def test_auto_compression_sends_incompressible_floats_raw_and_compressible_ones_
 
 
 def test_auto_compression_probes_again_after_a_while():
-    from twinstep.transport import messages
+    from twinstep.runtime.transport import messages
 
     encoder = TensorEncoder("auto")
     noise = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
@@ -147,7 +147,7 @@ def test_unknown_compression_is_refused():
 def test_hand_serialized_piece_equals_protobufs():
     data = np.arange(300, dtype=np.float32)
     header = pb.TensorPiece(step=3, record=2, offset=600, numel=300, codec=pb.RAW, raw_nbytes=1200, same_records=[5, 9])
-    from twinstep.transport.messages import _serialize
+    from twinstep.runtime.transport.messages import _serialize
 
     wire = _serialize(header, memoryview(data).cast("B"))
     expected = pb.ClientMessage(tensor=pb.TensorPiece(**{**_fields(header), "data": data.tobytes()}))
@@ -182,7 +182,7 @@ def test_other_messages_and_malformed_pieces_go_through_protobuf():
 
 
 def _varint(value: int) -> bytes:
-    from twinstep.transport.messages import _varint as varint
+    from twinstep.runtime.transport.messages import _varint as varint
 
     return varint(value)
 

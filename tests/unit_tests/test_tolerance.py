@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from twinstep.phases import STEP_ORDER as PHASES
+from twinstep.wire.phases import STEP_ORDER as PHASES
 from twinstep.server.compare.tolerance import DTYPE_SCALE, METRICS, Override, ToleranceConfig, effective_dtype
 
 STAT_METRICS = ("rms", "mean", "extrema", "rel_l2", "cosine")

@@ -9,8 +9,8 @@ import pytest
 from tests.conftest import wait_for
 from tests.unit_tests.test_stream_client import batch, hello
 from tests.unit_tests.tiny_server import TinyServer, TinyServicer
-from twinstep.transport import DropLedger, StreamClient, StreamConfig
-from twinstep.transport.shared_memory import AVAILABLE
+from twinstep.runtime.transport import DropLedger, StreamClient, StreamConfig
+from twinstep.runtime.transport.shared_memory import AVAILABLE
 from twinstep.v1 import twinstep_pb2 as pb
 
 
@@ -64,7 +64,7 @@ def _sender(kind: str, address: str, session: str):
         return StreamClient(hello(session), config, lambda c: None, lambda: 0)
     if not AVAILABLE:
         pytest.skip("the sender process needs shared memory files (Linux)")
-    from twinstep.transport.sidecar import SidecarClient
+    from twinstep.runtime.transport.sidecar import SidecarClient
 
     return SidecarClient(hello(session), config, lambda c: None, lambda: 0)
 

@@ -1,4 +1,4 @@
-"""twinstep.values: what a training names or publishes, as host arrays and back, dtypes kept exactly."""
+"""twinstep.runtime.values: what a training names or publishes, as host arrays and back, dtypes kept exactly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from twinstep.values import HostValue, UnsupportedValue, statistics_row, to_framework, to_host
+from twinstep.runtime.values import HostValue, UnsupportedValue, statistics_row, to_framework, to_host
 
 paddle = pytest.importorskip("paddle")
 
@@ -86,7 +86,7 @@ def test_equal_integer_values_give_equal_statistics_whatever_their_order_of_arri
 
 
 def test_large_values_are_reduced_in_chunks_to_the_same_statistics(monkeypatch):
-    from twinstep import values
+    from twinstep.runtime import values
 
     x = np.random.default_rng(1).normal(size=1000)
     x[5], x[700] = np.nan, -np.inf

@@ -210,7 +210,7 @@ def torch_block(module_type: str = "Linear") -> list[Param]:
 @pytest.mark.parametrize(("base_framework", "cand_framework"), [("torch", "mindspore"), ("mindspore", "torch"),
                                                                 ("paddle", "mindspore"), ("mindspore", "paddle")])
 def test_mindspore_names_match_torchs_with_no_rule_and_only_paddles_linear_is_transposed(base_framework, cand_framework):
-    """gamma/beta/embedding_table are weight/bias/weight (twinstep.layouts), in either direction, as the join has it."""
+    """gamma/beta/embedding_table are weight/bias/weight (twinstep.wire.layouts), in either direction, as the join has it."""
     sides = {"torch": torch_block(), "paddle": torch_block("Linear"), "mindspore": mindspore_block()}
     base, cand = sides[base_framework], sides[cand_framework]
     rng = np.random.default_rng(0)

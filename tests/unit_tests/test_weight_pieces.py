@@ -1,4 +1,4 @@
-"""Weight sync's pieces (twinstep.weight_pieces): bounded messages, bit-exact reassembly, hostile input refused."""
+"""Weight sync's pieces (twinstep.wire.weight_pieces): bounded messages, bit-exact reassembly, hostile input refused."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.weight_pieces import Assembler, Expected, PieceError, pieces
+from twinstep.wire.weight_pieces import Assembler, Expected, PieceError, pieces
 
 
 @pytest.mark.parametrize("compress", [False, True])

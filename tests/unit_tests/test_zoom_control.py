@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from tests.unit_tests.test_recorder import FRAMEWORKS, names, toy
-from twinstep.capture import CaptureConfig, Recorder, backend_for
-from twinstep.capture.control import CaptureControl, StepZoom
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+from twinstep.runtime.capture.control import CaptureControl, StepZoom
 from twinstep.server.control import names as module_names
 from twinstep.server.control.steps import MIN_LEAD_STEPS, earliest_step
 from twinstep.v1 import twinstep_pb2 as pb

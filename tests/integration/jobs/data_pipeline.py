@@ -3,7 +3,7 @@
     python -m tests.integration.jobs.data_pipeline --framework torch --baseline --publish --record ids ...
     python -m tests.integration.jobs.data_pipeline --framework paddle --order-bug 2 --sync --record ids ...
 
-The demo LM (twinstep.demo) in torch or paddle, trained by a loop written out
+The demo LM (twinstep.tools.demo) in torch or paddle, trained by a loop written out
 here so that values are recorded where a training would record them: the
 batch's input ids and labels before the forward (``--record ids``), the
 learning rate after the backward (``--record lr``).  Its data loader may hand
@@ -22,8 +22,8 @@ import json
 import numpy as np
 
 import twinstep
-from twinstep.demo import spec
-from twinstep.demo.job import LR, PaddleTrainer, TorchTrainer
+from twinstep.tools.demo import spec
+from twinstep.tools.demo.job import LR, PaddleTrainer, TorchTrainer
 
 #: The schedule: constant, halved from this step on (the buggy run halves one step early).
 DECAY_AT = 4

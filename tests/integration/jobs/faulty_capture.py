@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from twinstep.demo import job
+from twinstep.tools.demo import job
 
 
 def _add_spectrum(framework: str) -> None:
@@ -26,7 +26,7 @@ def _add_spectrum(framework: str) -> None:
     if framework == "torch":
         import torch
 
-        from twinstep.demo import model_torch as models
+        from twinstep.tools.demo import model_torch as models
 
         class Spectrum(torch.nn.Module):
             def forward(self, x: Any) -> Any:
@@ -34,7 +34,7 @@ def _add_spectrum(framework: str) -> None:
     else:
         import paddle
 
-        from twinstep.demo import model_paddle as models
+        from twinstep.tools.demo import model_paddle as models
 
         class Spectrum(paddle.nn.Layer):  # type: ignore[no-redef]
             def forward(self, x: Any) -> Any:
@@ -59,11 +59,11 @@ def _add_spectrum(framework: str) -> None:
 
 def _fail_stats_until(step: int) -> None:
     """Every statistic raises until the training reaches ``step``."""
-    import twinstep.api
-    from twinstep import stats
+    import twinstep.runtime.api
+    from twinstep.wire import stats
 
     current = [0]
-    step_method = twinstep.api.Monitor.step
+    step_method = twinstep.runtime.api.Monitor.step
 
     def counting_step(self: Any, loss: Any = None) -> None:
         step_method(self, loss)
@@ -76,7 +76,7 @@ def _fail_stats_until(step: int) -> None:
             raise AttributeError("module 'numpy' has no attribute 'vecdot' (injected by the test)")
         return host_row(*args, **kwargs)
 
-    twinstep.api.Monitor.step = counting_step
+    twinstep.runtime.api.Monitor.step = counting_step
     stats.host_row = failing_host_row
 
 

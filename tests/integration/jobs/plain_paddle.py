@@ -20,8 +20,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="No ccache found")
     import paddle
 
-from twinstep.demo import spec  # noqa: E402
-from twinstep.demo.model_paddle import build_model  # noqa: E402
+from twinstep.tools.demo import spec  # noqa: E402
+from twinstep.tools.demo.model_paddle import build_model  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python tests/integration/jobs/plain_torch.py --steps 5 [--bug gelu_tanh] [--accumulate 2]
     torchrun --nproc_per_node 2 tests/integration/jobs/plain_torch.py   # DDP over gloo, CPU
 
-Weights and batches come from twinstep.demo.spec, so this job and plain_paddle.py
+Weights and batches come from twinstep.tools.demo.spec, so this job and plain_paddle.py
 compute the same thing.  ``--explicit-attach`` is the same loop with
 ``twinstep.attach(model)`` and ``mon.step(loss)`` written in (its settings from
 the environment): the twin that ``twinstep run``'s verdicts are checked against.
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from twinstep.demo import spec
-from twinstep.demo.model_torch import build_model
+from twinstep.tools.demo import spec
+from twinstep.tools.demo.model_torch import build_model
 
 
 def main() -> None:

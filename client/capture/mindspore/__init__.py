@@ -1,5 +1,0 @@
-"""MindSpore capture backend (PyNative mode)."""
-
-from twinstep.capture.mindspore.backend import GraphModeError, MindSporeBackend, check_pynative
-
-__all__ = ["GraphModeError", "MindSporeBackend", "check_pynative"]

@@ -1,0 +1,726 @@
+"""``twinstep.attach``: the one call a training script makes.
+
+The monitor runs on the training thread and does O(records) cheap work per
+step; everything else happens in the stream client's background worker.  It
+never raises into training except :class:`twinstep.Halted`, which the server
+asks for (and, in lockstep, never blocks longer than ``lockstep_timeout``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+from twinstep.runtime import environment, settings
+from twinstep._version import PROTOCOL_VERSION, __version__
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+from twinstep.runtime.capture.recorder import CaptureCost
+from twinstep.runtime.capture.control import CaptureControl, module_lookup
+from twinstep.runtime.capture.health import describe_error
+from twinstep.runtime.capture.named import MAX_NAME, NamedRecords
+from twinstep.runtime.batches import BatchSync, Interrupted, PublishStats
+from twinstep.runtime.batches.autosync import mover
+from twinstep.errors import BatchSyncError, Halted
+from twinstep.runtime.setup import SetupCollector
+from twinstep.runtime.transport import ClientStats, Sender, StreamClient, StreamConfig
+from twinstep.runtime.transport.security import ClientSecurity
+from twinstep.runtime.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
+from twinstep.runtime.transport.sidecar import SidecarClient
+from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.runtime.weights import WeightPublisher, load_from_baseline
+
+logger = logging.getLogger("twinstep")
+
+ENV_SERVER = "TWINSTEP_SERVER"
+_DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+class Monitor:
+    """A model attached to a comparison session; see :func:`attach`."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        session: str,
+        run: str,
+        baseline: bool,
+        reference: bool,
+        precision: str,
+        server: str,
+        capture: CaptureConfig,
+        rank: int,
+        world_size: int,
+        lockstep: int,
+        lockstep_timeout: float,
+        stream: StreamConfig,
+        sender: str = "thread",
+        start_step: int = 0,
+        bundle_dir: str = "twinstep-bundles",
+        optimizer: Any | None = None,
+        share_weights: bool = False,
+        init_from_baseline: bool = False,
+        init_timeout: float = 300.0,
+        publish_batches: bool = False,
+        sync_batches: bool = False,
+        batch_timeout: float = 300.0,
+    ) -> None:
+        self.session = session
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.optimizer = optimizer
+        """The training's optimizer given to attach (None: not given); its set-up is sent (docs/preflight.md)."""
+        self._capture = capture
+        self._lockstep = lockstep
+        self._lockstep_timeout = lockstep_timeout
+        self._step = start_step
+        self._closed = False
+        self._halt_lock = threading.Lock()
+        self._halt: tuple[int, str] | None = None  # (at_step, reason)
+        self._control = CaptureControl(run, rank, lambda: self._step)
+        """Zoom windows the server sent (live capture control, twinstep.runtime.capture.control)."""
+        self._bundle_about = {"session": session, "run": run, "baseline": baseline, "reference": reference,
+                              "rank": rank, "world_size": world_size}
+        self._bundle_dir = bundle_dir
+        self._bundles_armed: list = []  # twinstep.tools.reproduce.capture.BundleCapture of the step in progress
+        self._bundles_done: list = []
+        self._ops_armed: list = []  # twinstep.runtime.capture.ops.OpsCapture of the step in progress (zoom --ops)
+        self._backend = backend_for(model)
+        self._find_module = module_lookup(self._backend, model)
+        framework_version = self._backend.framework_version()
+        # Weight sync (docs/weight-sync.md), before any hook and before the Hello, which says what was loaded.
+        self.weight_sync: pb.WeightSync | None = None
+        """What init_from_baseline loaded from the baseline's initial parameters (None: not asked for)."""
+        if init_from_baseline:  # raises WeightSyncError, the model untouched, when they cannot all be loaded
+            self.weight_sync = load_from_baseline(model, self._backend, session=session, run=run, target=server,
+                                                  security=stream.security, timeout=init_timeout,
+                                                  compress=stream.compression == "zstd")
+        self._weights: WeightPublisher | None = None
+        if share_weights and baseline and rank == 0:  # every rank of a data-parallel run holds the same values
+            try:
+                self._weights = WeightPublisher(model, self._backend, session=session, run=run, target=server,
+                                                security=stream.security, compress=stream.compression == "zstd")
+            except Exception as error:  # the training comes first; the server tells waiting candidates
+                logger.warning("twinstep: cannot copy the initial weights to share them (%s); training continues "
+                               "without sharing them", describe_error(error))
+        hello = pb.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            session=session,
+            run=run,
+            baseline=baseline,
+            framework=self._backend.framework,
+            framework_version=framework_version,
+            rank=rank,
+            world_size=world_size,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            client_version=__version__,
+            capture=capture.capture,
+            max_lead=lockstep,
+            reference=reference,
+            precision=precision if precision != "auto" else self._backend.float32_matmul_precision(),
+            every=capture.every,
+            include=capture.include,
+            exclude=capture.exclude,
+            start_step=start_step,
+            environment=environment.describe_environment(self._backend.framework, framework_version),
+            warnings=environment.attach_warnings(self._backend.framework, framework_version),
+            share_weights=self._weights is not None,
+        )
+        if self.weight_sync is not None:
+            hello.weight_sync.CopyFrom(self.weight_sync)
+        if sender == "auto":
+            # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
+            sender = ("process" if capture.capture != "stats" and SHARED_MEMORY_AVAILABLE
+                      and not self._backend.on_accelerator(model) else "thread")
+        self._client: Sender
+        if sender == "process" and capture.capture != "stats":
+            sidecar = SidecarClient(hello, stream, self._on_command, lambda: self._step)
+            self._client, host_memory = sidecar, sidecar  # its shared buffers are the pool's
+        else:  # statistics are a few KB a step: a sender process would cost more than it saves
+            self._client = StreamClient(hello, stream, self._on_command, lambda: self._step)
+            host_memory = None
+        # Free host buffers are capped like the outbox: together they hold at most twice its bound.
+        self._recorder = Recorder(model, self._backend, capture, host_pool_bytes=stream.max_queue_bytes,
+                                  host_memory=host_memory)
+        self._client.add_manifest([], self._recorder.parameter_infos)
+        # MindSpore hands gradients to the optimizer, not to the parameters: follow the optimizer's calls.
+        self._optimizer_watch = self._backend.watch_optimizer(optimizer) if optimizer is not None else None
+        if optimizer is None and capture.parameters and self._backend.framework == "mindspore":
+            logger.warning("twinstep: MindSpore keeps gradients off the parameters; pass optimizer= to attach to "
+                           "capture parameter gradients (without it, the grad phase is not recorded)")
+        # The training set-up (docs/preflight.md): sent before any step, and again when it changes.
+        self._setup = SetupCollector(model, self._backend.framework, framework_version, hello.precision, rank,
+                                     optimizer=optimizer)
+        self._send_setup(self._setup.collect)
+        self._client.start()
+        self._recorder.set_active(self._captures(start_step), start_step)
+        self._baseline = baseline
+        self._named = NamedRecords()
+        self._batches = BatchSync(target=server, security=stream.security, session=session, run=run, rank=rank,
+                                  baseline=baseline, framework=self._backend.framework, timeout=batch_timeout)
+        if publish_batches or sync_batches:
+            self._batches.hook_model(model, lambda: self._step, self._fetch_batch)
+        ref = weakref.ref(self)
+        self._atexit = lambda: (m := ref()) is not None and m.close()
+        atexit.register(self._atexit)
+
+    # -- public API ------------------------------------------------------------
+
+    @property
+    def current_step(self) -> int:
+        """Index of the step in progress (``start_step`` plus the number of completed ``step()`` calls)."""
+        return self._step
+
+    @property
+    def capture_cost(self) -> CaptureCost:
+        """What capture read so far: bytes read against bytes captured, and where statistics ran."""
+        return self._recorder.cost
+
+    @property
+    def stats(self) -> ClientStats:
+        """Counters: steps sent, drops by reason, connection state."""
+        return self._client.stats
+
+    def step(self, loss: Any = None) -> None:
+        """End the current training step: send its records and move to the next.
+
+        Call once per iteration after ``optimizer.step()`` and before the
+        gradients are cleared.  Raises :class:`Halted` when the server has
+        halted this run at this step.
+        """
+        if self._closed:
+            return
+        step = self._step
+        self._send_setup(self._setup.changed)  # a clip call seen in this step goes out before its records
+        health = self._recorder.health
+        try:
+            if self._captures(step):
+                self._client.add_manifest(self._recorder.take_new_modules(), [])
+                batch = self._named.merge_into(self._recorder.finish_step(step, loss), self._backend)
+                self._client.submit(self._finish_ops(batch))
+            else:
+                self._recorder.discard_step()
+                self._named.discard()
+                self._finish_ops(None)
+        except Exception as error:
+            health.record_step_failure(step, error)  # warned once per kind; the server is told below
+            self._client.mark_missing(step, "capture_failed", describe_error(error))
+            self._recorder.discard_step()
+            self._named.discard()
+            self._finish_ops(None)
+        changes = health.take_changes()
+        if changes is not None:
+            self._client.send_health(changes)
+        self._step = step + 1
+        self._batches.new_step()
+        self._finish_bundles()
+        self._begin_step(step + 1)
+        self._recorder.set_active(self._captures(step + 1), step + 1)
+        self._raise_if_halted(step)
+        if self._lockstep:
+            waited = self._client.wait_for_credit(step + 1, self._lockstep_timeout, lambda: self._halt is not None)
+            if not waited:
+                logger.warning(
+                    "twinstep: lockstep wait for the other runs exceeded %.0f s at step %d; continuing without lockstep",
+                    self._lockstep_timeout,
+                    step,
+                )
+                self._lockstep = 0
+            self._raise_if_halted(step)
+
+    def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """The training's optimizer (and LR scheduler), when it exists only after ``attach``: its set-up is sent.
+
+        For trainers that build the optimizer inside ``train()`` (the trainer callbacks
+        call it); a script passes ``attach(optimizer=...)`` instead.  Never raises.
+        """
+        if self._closed:
+            return
+        self.optimizer = optimizer
+        self._setup.optimizer = optimizer
+        if lr_scheduler is not None:
+            self._setup.scheduler = lr_scheduler
+        self._send_setup(self._setup.collect)
+
+    def record(self, name: str, value: Any) -> None:
+        """Record a named value of the step in progress: compared with the baseline's value of that name.
+
+        For what no hook sees: a batch's input ids and labels, a tokenizer's
+        output, the learning rate, a gradient norm, a metric.  ``value`` is a
+        number, a numpy array, a torch or paddle tensor, or a (nested) list of
+        numbers; its dtype is kept (integers and booleans compare exactly,
+        value by value).  Call it anywhere in the step, before ``step()``:
+        where it is called places it in the step (before the model's first
+        call, after the forward, after the backward), so the report's first
+        divergence is the value that starts one.  A name recorded twice in a
+        step gives two records (call 0 and 1).  Never raises for a value it
+        cannot carry: that is counted (the report's capture health) and warned
+        once.  Steps that are not captured (``every``) record nothing.
+        """
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            raise ValueError(f"a record's name is text of 1 to {MAX_NAME} characters, got {name!r}")
+        if self._closed or not self._captures(self._step):
+            return
+        try:
+            self._named.add(name, value, self._recorder.last_phase())
+        except Exception as error:
+            self._recorder.health.record_failure(pb.RECORD, name, self._step, error)
+
+    def publish_batch(self, batch: Any) -> None:
+        """Baseline: publish this step's inputs for candidates that sync batches (``baseline_batch()``).
+
+        ``batch``: a tensor or array, or a dict, list or tuple of them (and of plain
+        numbers and text), nested.  It is copied here and sent in the background;
+        call it once per step, before ``step()``.  Never raises for a batch it
+        cannot send: that is counted (``batch_stats``) and warned once.
+        """
+        if not self._baseline:
+            raise ValueError("publish_batch is the baseline's (attach(baseline=True)); a candidate takes the "
+                             "baseline's batch with baseline_batch()")
+        if self._closed:
+            return
+        try:
+            self._batches.publish(self._step, batch)
+        except Exception as error:
+            stats = self._batches.publish_stats
+            logger.warning("twinstep: cannot publish the batch of step %d (%s); training continues, candidates "
+                           "syncing batches will not get it", self._step, describe_error(error))
+            if stats is not None:
+                stats.dropped["unsupported"] = stats.dropped.get("unsupported", 0) + 1
+
+    def baseline_batch(self, timeout: float | None = None, device: Any = None) -> Any:
+        """Candidate: the batch the baseline published for this step and rank, as this framework's tensors.
+
+        Same structure, dtypes and shapes as the baseline's (int64 stays int64); tensors on the
+        CPU, or moved to ``device`` ("cuda:0", "gpu:0", a torch device or paddle place).
+        Waits for the baseline to publish it, at most ``timeout`` seconds (default: attach's
+        ``batch_timeout``), then raises :class:`twinstep.BatchSyncError` saying why; raises
+        :class:`twinstep.Halted` if the server halts the run meanwhile.
+        """
+        if self._baseline:
+            raise ValueError("baseline_batch is a candidate's: the baseline publishes its batches (publish_batch)")
+        if self._closed:
+            raise BatchSyncError("twinstep: the monitor is closed; no batch can be fetched")
+        return self._fetch_batch(mover(self._backend.framework, device), timeout)
+
+    @property
+    def batch_stats(self) -> dict[str, Any]:
+        """Batch sync counters: published and dropped (baseline), fetched and seconds waited (candidate)."""
+        stats: PublishStats | None = self._batches.publish_stats
+        return {"published": stats.published if stats else 0, "dropped": dict(stats.dropped) if stats else {},
+                "fetched": self._batches.fetched, "waited_seconds": self._batches.waited_seconds}
+
+    def close(self, timeout: float = _DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+        """Flush what is queued (at most ``timeout`` seconds), detach the hooks, say goodbye."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        if self._weights is not None:  # the upload of the initial weights, if it is still going
+            self._weights.close(timeout)
+        self._batches.close(timeout)
+        self._finish_bundles()
+        self._finish_ops(None)  # an armed capture gives the module its forward back
+        self._wait_for_bundles(timeout / 2)  # a bundle asked with a halt is written before the process ends
+        self._recorder.remove()
+        self._setup.close()
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.remove()
+        changes = self._recorder.health.take_changes()
+        if changes is not None:  # failures after the last step() (a trailing forward, say)
+            self._client.send_health(changes)
+        reason = "halted" if self._halt is not None else "finished"
+        self._client.close(reason, self._step - 1, timeout)
+        dropped = {k: v for k, v in self._client.stats.dropped.items() if v}
+        if dropped:
+            logger.warning("twinstep: run %r rank %d dropped steps: %s", self.run, self.rank, dropped)
+
+    def detach(self) -> None:
+        """Alias of :meth:`close`."""
+        self.close()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _captures(self, step: int) -> bool:
+        return step % self._capture.every == 0 or self._control.captures(step)
+
+    @property
+    def bundles(self) -> list[str]:
+        """Reproducer bundles this monitor wrote (paths), when the server asked for them."""
+        return [str(b.path) for b in self._bundles_done if b.path is not None]
+
+    def _send_setup(self, collect: Any) -> None:
+        """Send the set-up ``collect()`` returns (None: unchanged); a failure is a warning, never the training's."""
+        try:
+            setup = collect()
+            if setup is not None:
+                self._client.send_setup(setup)
+        except Exception as error:
+            logger.warning("twinstep: could not describe the training set-up (%s); training continues, the "
+                           "preflight diff will be missing or stale", describe_error(error))
+
+    def _begin_step(self, step: int) -> None:
+        """Apply the zoom windows that reach the step starting now, and arm the bundles due in it."""
+        try:
+            self._recorder.set_zoom(self._control.plan(step))
+            for spec in self._control.bundles_due(step):
+                from twinstep.tools.reproduce.capture import BundleCapture  # only a run asked for a bundle loads it
+
+                capture = BundleCapture(self._backend.framework, self._find_module(spec.bundle_module), spec, step,
+                                        self._bundle_about, Path(self._bundle_dir))
+                capture.arm()
+                self._bundles_armed.append(capture)
+            for spec in self._control.ops_due(step):
+                from twinstep.runtime.capture.ops import OpsCapture  # only a run asked for operations loads it
+
+                ops = OpsCapture(self._backend, self._find_module(spec.ops_module), spec.ops_module, spec, step)
+                ops.arm()
+                self._ops_armed.append(ops)
+        except Exception as error:  # live capture control must never break the training
+            logger.warning("twinstep: could not apply the server's capture change at step %d: %s", step,
+                           describe_error(error))
+
+    def _finish_ops(self, batch: Any) -> Any:
+        """The step's operation capture (at most one goes out per step), carried by its batch."""
+        armed, self._ops_armed = self._ops_armed, []
+        for capture in armed:
+            try:
+                trace = capture.finish()
+                if batch is not None and not batch.ops:
+                    batch.ops = trace
+            except Exception as error:  # never break the training
+                logger.warning("twinstep: could not capture the operations asked for: %s", describe_error(error))
+        return batch
+
+    def _finish_bundles(self) -> None:
+        """The step ended: the armed bundles are written, off the training thread."""
+        armed, self._bundles_armed = self._bundles_armed, []
+        for capture in armed:
+            try:
+                capture.finish()
+                self._bundles_done.append(capture)
+            except Exception as error:
+                logger.warning("twinstep: could not write a reproducer bundle: %s", describe_error(error))
+
+    def _wait_for_bundles(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for capture in self._bundles_done:
+            if capture.writer is not None:
+                capture.writer.join(max(deadline - time.monotonic(), 0.0))
+
+    def _fetch_batch(self, to_device: Any = None, timeout: float | None = None) -> Any:
+        """The baseline's batch of the current step; a halt for this step during the wait raises Halted."""
+        step = self._step
+
+        def halting() -> bool:
+            halt = self._halt
+            return halt is not None and (halt[0] < 0 or halt[0] <= step)
+
+        try:
+            return self._batches.fetch(step, timeout, halting, to_device)
+        except Interrupted:
+            self._raise_if_halted(step)
+            raise  # unreachable: interrupted only by a halt at or before this step
+
+    def _on_command(self, command: pb.Command) -> None:
+        """Runs on the sender thread: remember a HALT for the training thread, hand a ZOOM to live capture control."""
+        if command.kind == pb.Command.ZOOM:
+            try:
+                self._control.add(command.zoom)
+            except Exception as error:  # the stream and the training go on without it
+                logger.warning("twinstep: ignoring a capture change from the server: %s", describe_error(error))
+            return
+        if command.kind != pb.Command.HALT:
+            return
+        with self._halt_lock:
+            if self._halt is None:
+                self._halt = (command.at_step, command.reason)
+                logger.warning(
+                    "twinstep: server halts run %r%s: %s",
+                    self.run,
+                    f" at step {command.at_step}" if command.at_step >= 0 else "",
+                    command.reason,
+                )
+
+    def _raise_if_halted(self, step: int) -> None:
+        halt = self._halt
+        if halt is None:
+            return
+        at_step, reason = halt
+        if at_step >= 0 and step < at_step:
+            return
+        if at_step >= 0 and step > at_step:
+            logger.warning("twinstep: halt for step %d arrived late; halting at step %d", at_step, step)
+        self.close()
+        raise Halted(reason, step)
+
+
+def attach(
+    model: Any,
+    *,
+    session: str | None = None,
+    run: str | None = None,
+    baseline: bool | None = None,
+    reference: bool | None = None,
+    server: str | None = None,
+    capture: str | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    every: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    lockstep: int | None = None,
+    lockstep_timeout: float | None = None,
+    max_queue_steps: int | None = None,
+    max_queue_bytes: int | None = None,
+    backward: bool | None = None,
+    precision: str | None = None,
+    sketch: bool | None = None,
+    compression: str | None = None,
+    sender: str | None = None,
+    start_step: int | None = None,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_client_cert: str | None = None,
+    tls_client_key: str | None = None,
+    insecure: bool | None = None,
+    stats_workers: int | None = None,
+    share_weights: bool | None = None,
+    init_from_baseline: bool | None = None,
+    init_timeout: float | None = None,
+    publish_batches: bool | None = None,
+    sync_batches: bool | None = None,
+    batch_timeout: float | None = None,
+    bundle_dir: str | None = None,
+    optimizer: Any | None = None,
+    config: str | None = None,
+) -> Monitor:
+    """Attach twinstep to a ``torch.nn.Module``, ``paddle.nn.Layer`` or ``mindspore.nn.Cell`` and start streaming.
+
+    Every argument left out (None) comes from the environment variable
+    ``TWINSTEP_<NAME>`` (``TWINSTEP_SESSION``, ``TWINSTEP_CAPTURE``, ...), else
+    from the YAML config file (``config`` or ``$TWINSTEP_CONFIG``: its top-level
+    keys, overridden by its ``runs: {RUN: ...}`` section), else the default
+    given below (twinstep.runtime.settings).  A value that cannot be read is a
+    ValueError naming the variable or the file and key.
+
+    Args:
+        session: comparison session name; both trainings use the same one.
+        run: this training's name within the session (e.g. "torch", "paddle").
+        baseline: True for the run the others are judged against.
+        reference: True for a rerun of the baseline (determinism off, or another
+            precision) that measures its own noise: candidates are then judged
+            against multiples of each record's noise band.
+        server: ``host:port``; defaults to ``$TWINSTEP_SERVER``.
+        capture: "stats" (per-tensor statistics), "tensors" (plus lossless full
+            tensors) or "lossy" (plus full tensors quantised within the error the
+            server's tolerances allow: no verdict changes, fewer bytes).
+        include, exclude: glob patterns over module names selecting what is hooked.
+        every: capture every N-th step.
+        rank, world_size: default to torchrun's RANK/WORLD_SIZE or
+            paddle.distributed.launch's PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM.
+        lockstep: if > 0, ``step()`` waits while this run leads the slowest
+            other run by this many steps (opt-in: it slows the faster training).
+        lockstep_timeout: longest single lockstep wait before giving up lockstep.
+        max_queue_steps, max_queue_bytes: bound on data held while the server is
+            behind or away; the oldest steps are dropped (and counted) beyond it.
+        backward: record gradients with respect to module outputs.
+        precision: arithmetic of this run's float32 matrix products, "fp32" or
+            "tf32"; "auto" asks the framework (TF32 on GPUs unless disabled).
+            Float32 records of a tf32 run are judged with looser tf32 tolerances.
+        sketch: also send a count-sketch of every floating tensor (1 KiB each), from
+            which the server estimates rel_l2 and cosine of whole tensors.
+        compression: lossless compression of full tensors: "zstd", "none", or
+            "auto" (zstd, except for a dtype it shrinks by under 10%, such as
+            float32 activations: there the CPU is worth more than the bytes).
+            Use "zstd" over slow links.
+        sender: where full tensors are encoded and sent: "thread" (a thread of
+            this process), "process" (a sender process reading the tensor copies
+            from shared memory, so its work never holds this process's GIL), or
+            "auto": "process" for capture "tensors" and "lossy" of a model on
+            the CPU where shared memory exists (Linux), else "thread" (an
+            accelerator's copies stay asynchronous only into the thread
+            sender's pinned buffers).  Statistics always use a thread.
+        start_step: the number of the first step this monitor records: a run
+            resumed from a checkpoint, or attached after some steps, numbers its
+            steps as the baseline does.  The server reports the steps before it
+            as not compared.
+        token: the session's (or the operator's) token, sent as 'authorization:
+            Bearer TOKEN'; defaults to ``$TWINSTEP_TOKEN``.  A server that
+            refuses it ends capture with one error log; training continues.
+        tls_ca: PEM file of the CA, or the server's self-signed certificate, to
+            trust; defaults to ``$TWINSTEP_TLS_CA`` (then the system's CAs).
+        tls_client_cert, tls_client_key: PEM files for a server that asks for
+            client certificates (mutual TLS); default to
+            ``$TWINSTEP_TLS_CLIENT_CERT`` and ``$TWINSTEP_TLS_CLIENT_KEY``.
+        insecure: plaintext to a server that is not on a loopback address
+            (default ``$TWINSTEP_INSECURE``).  Without TLS settings a loopback
+            server is reached in plaintext and any other one over TLS.
+            An empty string for a file or token means none (the environment
+            is not read).
+        stats_workers: threads computing the statistics of CPU tensors while the
+            training computes (they release the GIL: give them a free core); 0
+            computes them in the hooks, on the training thread.  A tensor
+            modified in place after its capture is detected and computed in its
+            hook from then on; accelerator tensors keep their statistics on the
+            device either way.
+        publish_batches: baseline: publish the inputs of the model's first call
+            in every step, for candidates that sync batches (docs/records-and-batches.md).
+        sync_batches: candidate: call the model, on its first call of every step,
+            with the inputs the baseline published for that step and rank (waiting
+            for them up to ``batch_timeout``; a BatchSyncError past it).
+        batch_timeout: longest wait, in seconds, for the baseline's batch of a step.
+        share_weights: baseline: copy the initial parameters at attach and upload
+            them to the server (in the background; rank 0 only) for candidates that
+            attach with ``init_from_baseline`` (docs/weight-sync.md).  Costs one host
+            copy of the model until the upload is done.
+        init_from_baseline: candidate (or reference): before the first step, load
+            the baseline's initial parameters, converted by the server to this run's
+            names, layouts and fused modules; all or nothing.  Raises
+            :class:`twinstep.WeightSyncError` (the model untouched) when they
+            cannot be loaded.
+        init_timeout: longest wait, in seconds, for the baseline's weights.
+        bundle_dir: the folder reproducer bundles are written to when the server asks
+            for them (a halt with bundle_on_halt, twinstep zoom --bundle); see
+            docs/zoom-and-reproduce.md.
+        optimizer: the training's optimizer (a ``torch.optim.Optimizer`` or a
+            ``paddle.optimizer.Optimizer``), an argument only (it cannot come from
+            the environment or a file).  Its class and hyper-parameters per
+            parameter group go into the run's set-up, which the server diffs
+            against the baseline's before the first step (docs/preflight.md).
+            A ``mindspore.nn.Optimizer`` is required to capture a MindSpore
+            model's parameter gradients: MindSpore passes them to the optimizer
+            call, not to the parameters (docs/mindspore.md).
+        config: YAML file of settings (default ``$TWINSTEP_CONFIG``); see
+            docs/zero-code.md for its shape.
+
+    Defaults: baseline and reference False, capture "stats", include ("*",),
+    exclude (), every 1, lockstep 0, lockstep_timeout 300 s, max_queue_steps
+    256, max_queue_bytes 1 GiB, backward True, precision "auto", sketch False,
+    compression "auto", sender "auto", start_step 0, stats_workers 1, share_weights
+    and init_from_baseline False, init_timeout 300 s, publish_batches
+    and sync_batches False, batch_timeout 300 s, bundle_dir
+    "twinstep-bundles".
+    """
+    given = {name: value for name, value in locals().items() if name not in settings.ARGUMENT_ONLY}
+    return _attach(model, optimizer=optimizer, **settings.resolve(given, config=config).values)
+
+
+def _attach(
+    model: Any,
+    *,
+    session: str | None,
+    run: str | None,
+    baseline: bool,
+    reference: bool,
+    server: str | None,
+    capture: str,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    every: int,
+    rank: int | None,
+    world_size: int | None,
+    lockstep: int,
+    lockstep_timeout: float,
+    max_queue_steps: int,
+    max_queue_bytes: int,
+    backward: bool,
+    precision: str,
+    sketch: bool,
+    compression: str,
+    sender: str,
+    start_step: int,
+    token: str | None,
+    tls_ca: str | None,
+    tls_client_cert: str | None,
+    tls_client_key: str | None,
+    insecure: bool | None,
+    stats_workers: int,
+    share_weights: bool = False,
+    init_from_baseline: bool = False,
+    init_timeout: float = 300.0,
+    publish_batches: bool = False,
+    sync_batches: bool = False,
+    batch_timeout: float = 300.0,
+    bundle_dir: str = "twinstep-bundles",
+    optimizer: Any | None = None,
+) -> Monitor:
+    """``attach`` with every setting resolved (twinstep.runtime.settings): check them and start the monitor."""
+    target = server
+    if not target:
+        raise ValueError(f"twinstep.attach needs server='host:port', the {ENV_SERVER} environment variable "
+                         f"or server: in the config file ({settings.ENV_CONFIG})")
+    if not session or not run:
+        raise ValueError("twinstep.attach needs a non-empty session and run name: session=/run= arguments, "
+                         "TWINSTEP_SESSION/TWINSTEP_RUN, or session:/run: in the config file "
+                         f"({settings.ENV_CONFIG})")
+    if lockstep < 0:
+        raise ValueError("lockstep must be >= 0")
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    if precision not in ("auto", "fp32", "tf32"):
+        raise ValueError(f"precision must be 'auto', 'fp32' or 'tf32', got {precision!r}")
+    if sender not in ("auto", "thread", "process"):
+        raise ValueError(f"sender must be 'auto', 'thread' or 'process', got {sender!r}")
+    if publish_batches and not baseline:
+        raise ValueError("publish_batches is the baseline's (baseline=True); a candidate syncs with sync_batches=True")
+    if sync_batches and baseline:
+        raise ValueError("sync_batches is a candidate's: the baseline publishes its batches (publish_batches=True)")
+    if share_weights and not baseline:
+        raise ValueError("share_weights is the baseline's (baseline=True); a candidate loads the baseline's "
+                         "weights with init_from_baseline=True")
+    if init_from_baseline and baseline:
+        raise ValueError("init_from_baseline is for candidates and references: the baseline shares its weights "
+                         "(share_weights=True)")
+    if sender == "process" and not SHARED_MEMORY_AVAILABLE:
+        raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
+    security = ClientSecurity.resolve(token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
+                                      tls_client_key=tls_client_key, insecure=insecure)
+    resolved_rank = rank if rank is not None else 0  # the launcher's RANK/PADDLE_TRAINER_ID: twinstep.runtime.settings
+    resolved_world = world_size if world_size is not None else 1
+    if not 0 <= resolved_rank < resolved_world:
+        raise ValueError(f"rank {resolved_rank} is outside world size {resolved_world}")
+    return Monitor(
+        model,
+        session=session,
+        run=run,
+        baseline=baseline,
+        reference=reference,
+        precision=precision,
+        server=target,
+        capture=CaptureConfig(
+            capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward,
+            sketch=sketch, stats_workers=stats_workers,
+        ),
+        rank=resolved_rank,
+        world_size=resolved_world,
+        lockstep=lockstep,
+        lockstep_timeout=lockstep_timeout,
+        stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes,
+                            compression=compression, **security.as_dict()),
+        sender=sender,
+        start_step=start_step,
+        share_weights=share_weights,
+        init_from_baseline=init_from_baseline,
+        init_timeout=init_timeout,
+        publish_batches=publish_batches,
+        sync_batches=sync_batches,
+        batch_timeout=batch_timeout,
+        bundle_dir=bundle_dir,
+        optimizer=optimizer,
+    )

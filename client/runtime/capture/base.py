@@ -1,0 +1,192 @@
+"""The contract a framework backend fulfils so the recorder can stay framework-neutral.
+
+A backend touches framework objects only; it never imports grpc and never
+sends anything.  Methods marked *hot* run on the training thread for every
+captured tensor: they must be cheap, must not synchronise the device, and must
+not keep references to the tensors they are given beyond what they return.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from twinstep.runtime.capture.buffers import HostBufferPool
+
+Tensor = Any
+Module = Any
+
+
+class UnsupportedTensor(TypeError):
+    """A tensor twinstep cannot capture (complex, float8, quantised, ...): counted and reported, never raised into training."""
+
+    def __init__(self, dtype: object) -> None:
+        super().__init__(f"{dtype} tensors are not captured (twinstep reads float32/16/64, bfloat16, integers and bool)")
+
+
+class RemovableHandle:
+    """Detaches one hook when removed; removing twice is harmless."""
+
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self._remove: Callable[[], None] | None = remove
+
+    def remove(self) -> None:
+        remove, self._remove = self._remove, None
+        if remove is not None:
+            remove()
+
+
+class CaptureBackend(ABC):
+    """Framework adapter used by :class:`twinstep.runtime.capture.recorder.Recorder`."""
+
+    #: Short framework name sent to the server ("torch", "paddle").
+    framework: str = ""
+
+    @abstractmethod
+    def framework_version(self) -> str: ...
+
+    @abstractmethod
+    def named_modules(self, model: Module) -> Iterator[tuple[str, Module]]:
+        """All modules including the root (named "")."""
+
+    @abstractmethod
+    def named_parameters(self, model: Module) -> Iterator[tuple[str, Tensor, str, str]]:
+        """(name, parameter, owner module name, owner module type) per trainable parameter."""
+
+    @abstractmethod
+    def add_output_hook(self, module: Module, hook: Callable[[Module, Any, Any], None]) -> RemovableHandle:
+        """Call ``hook(module, inputs, output)`` after every forward call of ``module``."""
+
+    @abstractmethod
+    def output_tensors(self, output: Any) -> list[Tensor]:
+        """The floating/integer tensors in a module output, in a stable order (hot)."""
+
+    @abstractmethod
+    def add_grad_hook(self, tensor: Tensor, hook: Callable[[Tensor], None]) -> bool:
+        """Call ``hook(grad)`` when the gradient of ``tensor`` is computed (hot).
+
+        Returns False when the tensor takes no part in autograd.
+        """
+
+    @abstractmethod
+    def grad(self, parameter: Tensor) -> Tensor | None: ...
+
+    @abstractmethod
+    def describe(self, tensor: Tensor) -> tuple[str, tuple[int, ...]]:
+        """(neutral dtype name, shape) (hot)."""
+
+    @abstractmethod
+    def device_stats(self, tensor: Tensor) -> Any:
+        """A handle to the :data:`twinstep.wire.stats.DEVICE_FIELDS` of ``tensor`` (hot).
+
+        On an accelerator a device vector (no host sync); on the CPU it may be the
+        host values themselves.
+        """
+
+    def host_stats_task(self, tensor: Tensor) -> Callable[[], tuple[float, ...]] | None:
+        """A function computing ``tensor``'s statistics row that any thread may run, or None (hot).
+
+        It must read the tensor's memory only through a host view (no framework
+        call: frameworks' eager modes are not all thread-safe) and must keep
+        that memory alive.  None for accelerator tensors (their statistics stay
+        on the device), tensors too small to be worth a hand-off, and anything
+        the backend would rather compute in the hook.
+        """
+        return None
+
+    def host_copy_task(self, tensor: Tensor, pool: HostBufferPool) -> Callable[[], tuple[Any, Any]] | None:
+        """A function making :meth:`host_copy`'s (copy, buffer) on any thread, or None (hot).
+
+        Offered only where :meth:`copy_stats_task` serves the copy it makes
+        (host floating tensors above the hand-off size).
+        """
+        return None
+
+    def copy_stats_task(self, copy: Any) -> Callable[[], tuple[float, ...]] | None:
+        """As :meth:`host_stats_task`, for a host copy that :meth:`host_copy` returned."""
+        return None
+
+    def identity(self, tensor: Tensor) -> Any:
+        """A key equal for two handles of the same tensor while both live (hot): reads are shared by it."""
+        return id(tensor)
+
+    def is_host(self, tensor: Tensor) -> bool:
+        """True when ``tensor`` lives in host memory (a CPU tensor)."""
+        return False
+
+    @abstractmethod
+    def stats_to_host(self, handles: list[Any]) -> np.ndarray:
+        """Stack statistics into one float64 array [n, len(DEVICE_FIELDS)], one copy per device."""
+
+    @abstractmethod
+    def host_copy(self, tensor: Tensor, pool: HostBufferPool | None = None) -> tuple[Any, Any]:
+        """A private host copy of ``tensor`` for tensor mode (hot: one copy, no conversion).
+
+        Returns (copy, buffer): with a pool the copy lives in ``buffer``, taken
+        from it (give it back once the copy is encoded); without, buffer is None.
+        A copy from an accelerator may still be in flight until
+        :meth:`host_copies_fence` says otherwise.
+        """
+
+    def allocate_host(self, nbytes: int) -> Any:
+        """A new host buffer of ``nbytes`` bytes for the pool (page-locked where that makes copies async)."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def on_accelerator(self, model: Module) -> bool:
+        """True when the model's parameters live on an accelerator (host copies of its tensors cross a bus)."""
+        return False
+
+    def wrap_host(self, array: np.ndarray) -> Any:
+        """A pool buffer over memory allocated elsewhere (a ``uint8`` array, e.g. shared with the sender process)."""
+        return array
+
+    def host_copies_fence(self) -> Callable[[], None] | None:
+        """A wait for every host copy started so far (None: copies are already complete).
+
+        Called on the training thread at the end of a step; the returned
+        callable runs on the sender thread before it reads the copies.
+        """
+        return None
+
+    @abstractmethod
+    def storage_array(self, copy: Any) -> np.ndarray:
+        """The wire storage array of a host copy; runs on a background thread."""
+
+    @abstractmethod
+    def add_input_hook(self, module: Module, hook: Callable[[Module, tuple], tuple | None]) -> RemovableHandle:
+        """Call ``hook(module, args)`` before every forward call; a returned tuple replaces the args."""
+
+    @abstractmethod
+    def to_numpy(self, tensor: Tensor) -> np.ndarray:
+        """A host copy as numpy (bfloat16 widened to float32)."""
+
+    @abstractmethod
+    def from_numpy(self, array: np.ndarray, like: Tensor) -> Tensor:
+        """A tensor of ``like``'s dtype and device holding ``array``."""
+
+    @abstractmethod
+    def inplace_version(self, tensor: Tensor) -> int | None:
+        """The tensor's in-place modification counter (hot): a tensor seen again with the same
+        counter holds the same numbers, so its statistics are reused.  None: not tracked
+        (never reused)."""
+
+    @abstractmethod
+    def make_sketcher(self, spec: Any) -> Any:
+        """A device sketcher (twinstep.runtime.capture.<framework>.sketch) for :class:`twinstep.wire.sketch.SketchSpec` ``spec``."""
+
+    def watch_optimizer(self, optimizer: Any) -> RemovableHandle | None:
+        """Follow the optimizer where a framework keeps gradients off the parameters (MindSpore).
+
+        None: :meth:`grad` reads the parameter itself (torch, paddle).
+        """
+        return None
+
+    def float32_matmul_precision(self) -> str:
+        """"tf32" when float32 matrix products run on TF32 tensor cores, else "fp32"."""
+        return "fp32"
+
+    def loss_tensor(self, loss: Any) -> Tensor | None:
+        """The tensor of a loss passed to ``step()``; plain floats are wrapped."""
+        return loss

@@ -1,0 +1,5 @@
+"""PaddlePaddle capture backend."""
+
+from twinstep.runtime.capture.paddle.backend import PaddleBackend
+
+__all__ = ["PaddleBackend"]

@@ -1,0 +1,1 @@
+"""Tools built on twinstep: the demo pair of trainings, reproducer bundles."""
