@@ -31,7 +31,7 @@ from tests.ports import models  # noqa: E402
 from tests.ports.torch_job import TorchPort  # noqa: E402
 
 PHASES = ("forward", "loss", "backward", "grad", "param")
-#: The float32 defaults leave at least this much room on the faithful ports (README).
+#: The float32 defaults leave at least this much room on the faithful ports (docs/tolerances.md).
 HEADROOM = 10.0
 
 

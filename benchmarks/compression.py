@@ -2,7 +2,7 @@
 
     python benchmarks/compression.py [--hidden 256] [--steps 3] [--margin 0.1] [--dtypes float32,bfloat16]
 
-Trains the demo transformer (issue 4's reference size: 4 layers, hidden 256,
+Trains the demo transformer (the benchmarks' reference size: 4 layers, hidden 256,
 seq 128, batch 8, CPU) for a few steps twice: a baseline and a candidate with
 the GELU-tanh bug in layer 1, so pairs range from identical (layer 0) to
 diverged.  On the last step it captures module outputs (activations), the

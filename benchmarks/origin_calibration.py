@@ -30,7 +30,7 @@ def comparisons(model: str, bug: str | None, steps: int, seed: int) -> tuple[lis
     """Every compared step of one pair (observed through the session's tracker), and the report."""
     handle = serve(port=0, config=config_from_dict(corpus.PortCase.config))
     session = f"{model}-{bug or 'faithful'}"
-    tracker = handle.registry.get_or_create(session).tracker
+    tracker = handle.registry.get_or_create(session).core.pipeline.tracker
     seen = []
     add = tracker.add
     tracker.add = lambda comparison: (seen.append(comparison), add(comparison))[-1]

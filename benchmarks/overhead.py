@@ -8,14 +8,14 @@
 
 Every row trains the same model from the same initial weights on the same
 batches, and only the tool watching it differs.  By default (``--model demo``)
-the model is the demo transformer at issue 4's reference size (4 layers,
+the model is the demo transformer at the benchmarks' reference size (4 layers,
 hidden 256 unless --hidden says otherwise, seq 128, batch 8, CPU), in torch and
 paddle (``--framework``).  The demo is hand-written; what users train are
 library classes, with other modules (RMSNorm, rotary embeddings, gated MLPs with a
 third projection, Phi3's fused qkv and gate/up projections, a causal-LM wrapper
 whose output is a ModelOutput or a tuple) and the library's own forward code
 (attention dispatch, SDPA in transformers), so ``--model`` trains one of those
-instead (issue 15):
+instead:
 
     hf-llama, hf-phi3   transformers' LlamaForCausalLM / Phi3ForCausalLM (torch)
     pf-llama, pf-phi3   paddleformers' LlamaForCausalLM / Phi3ForCausalLM (paddle)
@@ -126,8 +126,8 @@ import overhead_models  # noqa: E402  (benchmarks/overhead_models.py: the --mode
 PEER_PACKAGE = "mindstudio-probe"
 PEER_VERSION = "26.2.0"
 PEER_INSTALL = f'pip install -e ".[bench]"   (or: pip install {PEER_PACKAGE}=={PEER_VERSION})'
-# Issue 4's goals for twinstep stats, by hidden size, and for every-module tensor capture.
-#: Issue 15's targets for twinstep stats: (hidden, one training thread?) -> ratio.
+#: Targets for twinstep stats: (hidden, one training thread?) -> step-time ratio over unhooked
+#: (docs/performance.md); TENSOR_TARGET is the target for every-module tensor capture.
 TARGETS = {(256, True): 1.03, (256, False): 1.08, (1024, True): 1.01, (1024, False): 1.01}
 TENSOR_TARGET = 1.15
 # Longest wait for one worker to answer (a block of hidden-1024 paddle steps is minutes).

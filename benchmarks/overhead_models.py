@@ -7,7 +7,7 @@
     ms-phi3    tests/ports/mindspore_phi3.py Phi3ForCausalLM        (MindSpore, PyNative)
 
 Each is built from a config, with the library's own random initial weights (seeded),
-so nothing is downloaded. The size is issue 15's: hidden 256 (or --hidden), 4
+so nothing is downloaded. The size is the benchmark's reference size: hidden 256 (or --hidden), 4
 layers, 8 heads (no grouped-query attention), intermediate 4x hidden, seq 128,
 batch 8; the vocabulary is 1024, small so that the LM head does not dominate the
 step. Everything else is the library's default, as a user constructing the class

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.conftest import Job, wait_for  # noqa: E402
 from twinstep.server import ServerConfig, serve  # noqa: E402
+from twinstep.server.config import RecordingConfig
 from twinstep.server.record.catalog import scan  # noqa: E402
 from twinstep.server.record.compare import compare_sides, resolve  # noqa: E402
 from twinstep.server.record.format import RecordingReader  # noqa: E402
@@ -37,7 +38,7 @@ DETERMINISTIC = {"TWINSTEP_JIT": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS":
 
 
 def record(tmp: pathlib.Path, steps: int, capture: str, hidden: int) -> tuple[pathlib.Path, dict]:
-    handle = serve(port=0, config=ServerConfig(record=str(tmp / "recordings")))
+    handle = serve(port=0, config=ServerConfig(recording=RecordingConfig(directory=str(tmp / "recordings"))))
     try:
         extra = ["--hidden", str(hidden)] if hidden else []
         jobs = [Job(tmp, "torch", server=handle.address, session="bench", baseline=True, steps=steps, capture=capture,
@@ -88,12 +89,12 @@ def offline(path: pathlib.Path) -> None:
 
 def replay(path: pathlib.Path, live: dict) -> None:
     index = scan(path)
-    handle = serve(port=0, config=ServerConfig(replay={"bench": f"{path}:torch"}))
+    handle = serve(port=0, config=ServerConfig(recording=RecordingConfig(replay={"bench": f"{path}:torch"})))
     try:
         session = handle.registry.get("bench")
         started = time.perf_counter()
         RecordingPlayer(session, path, index.run("paddle"), baseline=False).start()
-        wait_for(lambda: all(r.state != "streaming" for r in session.runs.values()) and len(session.runs) == 2,
+        wait_for(lambda: len(rows := session.run_status()) == 2 and all(r.state != "streaming" for r in rows),
                  timeout=120)
         seconds = time.perf_counter() - started
         report = handle.report("bench")

@@ -2,7 +2,7 @@
 
     python benchmarks/sketch_accuracy.py [--steps 3] [--buckets 64,128,256,512,1024] [--sizes-mb 0.25,4,64]
 
-Accuracy: the demo transformer (issue 4's reference size: 4 layers, hidden 256,
+Accuracy: the demo transformer (the benchmarks' reference size: 4 layers, hidden 256,
 seq 128, batch 8) trains in torch (baseline), in its faithful paddle port and
 in a paddle port with the tanh GELU in layers.1.mlp.act, side by side from the
 same weights and data.  Every module output, output gradient, parameter

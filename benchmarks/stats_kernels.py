@@ -137,7 +137,7 @@ def torch_section(reps: int) -> None:
         return torch.stack([x.sum(), (x * x).sum(), x.min(), x.max(), x.abs().max(), torch.isnan(x).sum().float(),
                             torch.isinf(x).sum().float()]).tolist()
 
-    def before(x: torch.Tensor) -> list[float]:  # the backend before issue 4: no m2
+    def before(x: torch.Tensor) -> list[float]:  # the backend's first version: no m2
         total, sum_sq = x.sum().double(), (x * x).sum().double()
         lo, hi = torch.aminmax(x)
         bool(torch.isfinite(total))  # the old code branched on it
@@ -194,7 +194,7 @@ def paddle_section(reps: int) -> None:
             buffers[n] = paddle.empty_like(x)
         paddle.assign(x, output=buffers[n])
 
-    def before(x: Any) -> list[float]:  # the backend before issue 4: paddle ops, no m2
+    def before(x: Any) -> list[float]:  # the backend's first version: paddle ops, no m2
         total = paddle.sum(x).astype("float64")
         sum_sq = paddle.sum(x * x).astype("float64")
         lo, hi = paddle.min(x).astype("float64"), paddle.max(x).astype("float64")

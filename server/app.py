@@ -12,6 +12,7 @@ import grpc
 from twinstep.server.alert.webhooks import WebhookDispatcher
 from twinstep.server.compare.comparator import StepComparison
 from twinstep.server.config import ServerConfig
+from twinstep.server.extras import DASHBOARD, require
 from twinstep.server.report.builder import build_report
 from twinstep.server.report.render import report_to_dict
 from twinstep.server.security import ServerSecurity
@@ -35,11 +36,11 @@ class ServerHandle:
         self.tls = tls
         """Connections are TLS (clients need to trust the certificate: TWINSTEP_TLS_CA)."""
         self.webhooks: WebhookDispatcher | None = None
-        """The webhook senders (config.webhooks), once started; stopped within the grace by stop()."""
+        """The webhook senders (config.alerts), once started; stopped within the grace by stop()."""
         self.dashboard: Any = None
         """The dashboard's HTTP listener (twinstep.server.view.listener), when serve() was given http_port."""
         self.recording: Any = None
-        """Recording and replay (twinstep.server.record.service), when config.record or config.replay asks."""
+        """Recording and replay (twinstep.server.record.service), when config.recording.directory or config.recording.replay asks."""
 
     @property
     def http_port(self) -> int | None:
@@ -78,8 +79,7 @@ class ServerHandle:
         found = self.registry.get(session)
         if found is None:
             raise KeyError(f"no session {session!r}")
-        with found.lock:
-            return found.last_comparison
+        return found.latest_comparison()
 
     def halt(self, session: str, reason: str = "halted by an operator") -> list[str]:
         found = self.registry.get(session)
@@ -122,32 +122,37 @@ def serve(
     """Start a server in this process; ``port=0`` picks a free port (see ``.address``).
 
     ``security`` holds TLS files and tokens (twinstep.server.security); without
-    it the server is plaintext and open, which the loopback rule allows only on
-    a loopback ``host`` unless ``insecure=True``.  ValueError when the rule or a
-    file says no.
+    it, ``config.security`` (by default the server is plaintext and open, which the
+    loopback rule allows only on a loopback ``host`` unless ``insecure=True``).
+    ValueError when the rule or a file says no.
 
-    ``http_port`` also serves the live dashboard and /metrics over HTTP (HTTPS with
-    TLS) on ``http_host`` (default ``host``; 0 picks a free port: ``.http_url``),
+    ``http_port`` (default ``config.dashboard.port``) also serves the live dashboard
+    and /metrics over HTTP (HTTPS with TLS) on ``http_host`` (default
+    ``config.dashboard.host``, else ``host``; 0 picks a free port: ``.http_url``),
     under the same rule and tokens (docs/dashboard.md).
     """
     config = config or ServerConfig()
-    security = security or ServerSecurity()
+    security = security or config.security.build(host)
+    http_port = config.dashboard.port if http_port is None else http_port
+    http_host = config.dashboard.host if http_host is None else http_host
     if insecure is not None:
         security.insecure = insecure
     security.check_exposure(host)
     if http_port is not None:
         security.check_exposure(host if http_host is None else http_host)
+        # Before anything starts: the gRPC side needs the core dependencies only, the HTTP side the server extra.
+        require(DASHBOARD, "the dashboard and /metrics (--http-port)")
     credentials = security.credentials()
     if halt_on_divergence is not None:
-        config.halt_on_divergence = halt_on_divergence
+        config.halt.on_divergence = halt_on_divergence
     registry = SessionRegistry(config)
     stopping = threading.Event()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="twinstep-rpc"),
+        futures.ThreadPoolExecutor(max_workers=config.limits.max_workers, thread_name_prefix="twinstep-rpc"),
         # Each stream and watcher holds a worker; refuse beyond that instead of queueing forever.
-        maximum_concurrent_rpcs=config.max_workers,
+        maximum_concurrent_rpcs=config.limits.max_workers,
         options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.limits.max_message_bytes),
             ("grpc.max_send_message_length", 64 << 20),
             # Allow clients' 20 s keepalive pings on idle streams.
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -163,11 +168,12 @@ def serve(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     handle = ServerHandle(server, bound, host, registry, stopping, tls=credentials is not None)
-    if config.webhooks:  # before the first stream: every session's events reach them
-        handle.webhooks = WebhookDispatcher(config.webhooks, server=handle.address)
+    receivers = config.alerts.receivers()
+    if receivers:  # before the first stream: every session's events reach them
+        handle.webhooks = WebhookDispatcher(receivers, server=handle.address)
         registry.add_session_listener(handle.webhooks.attach)
-        logger.info("webhooks: %s", ", ".join(f"{w.label} ({w.format})" for w in config.webhooks))
-    if config.record or config.replay:  # before the first stream: every session is recorded
+        logger.info("webhooks: %s", ", ".join(f"{w.label} ({w.format})" for w in receivers))
+    if config.recording.directory or config.recording.replay:  # before the first stream: every session is recorded
         from twinstep.server.record.service import start as start_recording
 
         try:

@@ -12,7 +12,7 @@ The fix raises the mmap threshold to glibc's maximum and stops trimming. A proce
 that owns the server calls it: ``twinstep serve`` and ``twinstep demo``. An embedded
 server leaves the allocator of its host process alone. The cost is that the
 process's resident memory stays at its peak. That peak is already bounded by the
-session windows (``ServerConfig.window_bytes``).
+session windows (``ServerConfig.window.bytes``).
 """
 
 from __future__ import annotations

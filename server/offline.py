@@ -55,7 +55,7 @@ def compare_recorded(runs: list[RecordedRun], config: ServerConfig | None = None
     chunks = []
     for run in runs:
         for rank, hello in sorted(run.hellos.items()):
-            conn = Connection(f"offline:{hello.run}:{rank}", target.config.window_bytes)
+            conn = Connection(f"offline:{hello.run}:{rank}", target.config.window.bytes)
             conn.finish()  # a closed outbox: welcomes, credits and events go nowhere
             conn.session, conn.run, conn.rank = hello.session, hello.run, rank
             target.join(conn, hello)
@@ -71,8 +71,7 @@ def compare_recorded(runs: list[RecordedRun], config: ServerConfig | None = None
         if not progress.closed and run.close_missing == "finished":
             target.close_stream(conn, pb.Close(reason="finished", last_step=progress.last_step))
         target.leave(conn, grace=0)
-    with target.lock:
-        target.errors.extend(errors)
+    target.add_errors(errors)
     return build_report(target.snapshot())
 
 

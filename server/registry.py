@@ -41,7 +41,7 @@ class SessionRegistry:
         self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}
         self._archived: OrderedDict[str, _Archived] = OrderedDict()
-        self.store = JournalStore(config.journal, config.journal_sync) if config.journal else None
+        self.store = JournalStore(config.journal.directory, config.journal.sync) if config.journal.directory else None
         self._stopped = threading.Event()
         self._timers: list[threading.Timer] = []
         self._session_listeners: list[Callable[[Session], None]] = []
@@ -68,7 +68,7 @@ class SessionRegistry:
         with self._lock:
             session = self._sessions.get(name)
             if session is None:
-                if len(self._sessions) >= self.config.max_sessions:
+                if len(self._sessions) >= self.config.limits.max_sessions:
                     raise InputError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"this server holds {len(self._sessions)} sessions (max_sessions); "
                                      f"session {name!r} is refused")
@@ -149,7 +149,7 @@ class SessionRegistry:
         held = sum(session.held_bytes() for session in sessions)
         freed = 0
         for session in sorted(sessions, key=lambda s: s.last_active):
-            if held - freed <= self.config.memory_budget_bytes:
+            if held - freed <= self.config.memory.budget_bytes:
                 break
             released = session.release_held_steps()
             if released:
@@ -163,25 +163,21 @@ class SessionRegistry:
         now = time.time() if now is None else now
         with self._lock:
             expired = [s for s in self._sessions.values()
-                       if s.ended_at and s.members.all_ended() and now - s.ended_at >= self.config.session_ttl]
+                       if s.ended_at and now - s.ended_at >= self.config.sessions.ttl and s.all_ended()]
         archived = []
         for session in expired:
             report = build_report(session.snapshot())
             # Kept (journal or memory) before it leaves the registry: GetReport finds it in one or the other.
-            with self._lock, session.lock:
-                if self._sessions.get(session.name) is not session or not session.members.all_ended():
+            with self._lock:
+                if self._sessions.get(session.name) is not session:
+                    continue
+                if not session.archive_if_ended(lambda: self._keep_archived(session, report)):
                     continue  # a run rejoined meanwhile
-                if self.store is not None and not session.journal.failure:
-                    self._save(session, report)
-                    self.store.archive(session.journal.session_id)
-                else:
-                    self._keep(session, report)
-                session.archived = True
                 del self._sessions[session.name]
             session.events.close()
             archived.append(session.name)
             logger.info("session %s left memory (%s s after its runs ended); its report stays readable",
-                        session.name, f"{self.config.session_ttl:g}")
+                        session.name, f"{self.config.sessions.ttl:g}")
         return archived
 
     def freeze(self) -> None:
@@ -198,9 +194,7 @@ class SessionRegistry:
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:
-            with session.lock:
-                self._save(session)
-                session.journal.close()
+            session.close_journal(lambda: self._save(session))
 
     def close(self) -> None:
         """After the RPCs have ended: close the journal file (its data stays on disk)."""
@@ -229,7 +223,7 @@ class SessionRegistry:
             session.created = stored.created
             result = replay(session, self.store.entries(stored.id))
             session.journal = self.store.resume(stored)
-            if session.members.all_ended() and session.runs:
+            if session.all_ended():
                 session.ended_at = stored.ended or time.time()
             with self._lock:
                 previous = self._sessions.get(stored.name)
@@ -239,11 +233,11 @@ class SessionRegistry:
             logger.warning("session %s: restored from the journal (%d entries%s, %.1f s); %d stream(s) that were "
                            "open may reconnect within %g s", stored.name, result.entries,
                            f", {result.failed} refused" if result.failed else "", time.monotonic() - started,
-                           len(result.open_streams), self.config.resume_grace)
-            session.resume_grace_timers(self.config.reconnect_grace)
+                           len(result.open_streams), self.config.sessions.resume_grace)
+            session.resume_grace_timers(self.config.sessions.reconnect_grace)
             if result.open_streams:
-                timer = threading.Timer(self.config.resume_grace, session.expire_absent,
-                                        args=(result.open_streams, self.config.resume_grace))
+                timer = threading.Timer(self.config.sessions.resume_grace, session.expire_absent,
+                                        args=(result.open_streams, self.config.sessions.resume_grace))
                 timer.daemon = True
                 timer.start()
                 self._timers.append(timer)
@@ -260,17 +254,25 @@ class SessionRegistry:
         except Exception as exc:  # the journal failing must not take a stream down
             logger.error("journal: cannot save the report of session %s: %s", session.name, exc)
 
+    def _keep_archived(self, session: Session, report: pb.Report) -> None:
+        """Keep the report of a session leaving memory: in the journal, or else in memory."""
+        if self.store is not None and not session.journal.failure:
+            self._save(session, report)
+            self.store.archive(session.journal.session_id)
+        else:
+            self._keep(session, report)
+
     def _keep(self, session: Session, report: pb.Report) -> None:
         summary = _summary(session, report)
         summary.in_memory = False
         with self._lock:
             self._archived.pop(session.name, None)
             self._archived[session.name] = _Archived(summary, report.SerializeToString())
-            while len(self._archived) > self.config.max_archived:
+            while len(self._archived) > self.config.sessions.max_archived:
                 self._archived.popitem(last=False)
 
     def _sweep_loop(self) -> None:
-        interval = max(0.05, min(_SWEEP_SECONDS, self.config.session_ttl / 4))
+        interval = max(0.05, min(_SWEEP_SECONDS, self.config.sessions.ttl / 4))
         while not self._stopped.wait(interval):
             try:
                 self.archive_expired()
@@ -281,9 +283,9 @@ class SessionRegistry:
 def _summary(session: Session, report: pb.Report | None = None) -> pb.SessionSummary:
     if report is None:
         status = session.status()
-        runs = list(session.runs)
+        runs = session.run_names()
         steps = session.steps_compared()
-        first = session.tracker.first()
+        first = session.first_divergence()
         words = ""
         if first is not None:
             words = _divergence_words(pb.Report(first_divergence=first.to_proto()))

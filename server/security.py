@@ -31,22 +31,13 @@ from typing import Iterable, Mapping
 
 import grpc
 
-from twinstep.wire.netrules import is_loopback, is_true, read_pem
+from twinstep.wire.netrules import is_loopback, read_pem
 
 logger = logging.getLogger("twinstep.server")
 
-ENV_TLS_CERT = "TWINSTEP_TLS_CERT"
-ENV_TLS_KEY = "TWINSTEP_TLS_KEY"
-ENV_TLS_CLIENT_CA = "TWINSTEP_TLS_CLIENT_CA"
-ENV_OPERATOR_TOKEN = "TWINSTEP_OPERATOR_TOKEN"
-ENV_TOKENS_FILE = "TWINSTEP_TOKENS_FILE"
-ENV_INSECURE = "TWINSTEP_INSECURE"
+# Its settings (files, tokens, insecure), their flags and variables: twinstep.server.config.SecurityConfig.
 
 _MAX_LOGGED = 4096  # refusals remembered for "logged once"; beyond that, new ones are not logged
-
-
-def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    return is_true((environ if environ is not None else os.environ).get(name))
 
 
 def _check_token(token: str, what: str) -> str:
@@ -119,20 +110,6 @@ class ServerSecurity:
                 raise ValueError(f"sessions {owners[token]!r} and {session!r} share a token; give each its own")
             if self.operator_token is not None and hmac.compare_digest(token, self.operator_token):
                 raise ValueError(f"the token of session {session!r} is the operator token; give it its own")
-
-    @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "ServerSecurity":
-        """TWINSTEP_TLS_CERT/KEY/CLIENT_CA, TWINSTEP_OPERATOR_TOKEN, TWINSTEP_TOKENS_FILE, TWINSTEP_INSECURE."""
-        env = environ if environ is not None else os.environ
-        tokens_file = env.get(ENV_TOKENS_FILE)
-        return cls(
-            tls_cert=env.get(ENV_TLS_CERT) or None,
-            tls_key=env.get(ENV_TLS_KEY) or None,
-            tls_client_ca=env.get(ENV_TLS_CLIENT_CA) or None,
-            operator_token=env.get(ENV_OPERATOR_TOKEN) or None,
-            session_tokens=read_tokens_file(tokens_file) if tokens_file else [],
-            insecure=env_flag(ENV_INSECURE, env),
-        )
 
     @property
     def tls(self) -> bool:

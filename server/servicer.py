@@ -40,7 +40,7 @@ class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc
     def Stream(self, request_iterator: Iterator[pb.ClientMessage | ReceivedPiece], context: grpc.ServicerContext) -> Iterator[pb.ServerMessage]:
         # The token is checked before anything is read; its session once the hello names one.
         caller = self.auth.authorize(context, "stream", check=False)
-        conn = Connection(context.peer(), self.registry.config.window_bytes)
+        conn = Connection(context.peer(), self.registry.config.window.bytes)
         context.add_callback(conn.finish)  # the client left: stop yielding
         reader = threading.Thread(
             target=self._read, args=(request_iterator, conn, caller), name="twinstep-stream-reader", daemon=True
@@ -173,9 +173,7 @@ class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc
                 return pb.History(session=request.session)
             names = f" (sessions: {', '.join(self.registry.names()) or 'none'})" if caller.operator else ""
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server{names}")
-        with session.lock:
-            copied = session.history.copy()
-        return history_to_proto(copied)
+        return history_to_proto(session.history())
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.SessionList:
         # The operator sees every session; a session token sees its own.

@@ -22,6 +22,7 @@ import pytest
 
 from twinstep.runtime import kernels
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SessionsConfig
 
 JOB_TIMEOUT = 240
 ROOT = Path(__file__).resolve().parent.parent  # jobs run from here, so `-m tests....` modules import
@@ -47,7 +48,7 @@ def server(request: pytest.FixtureRequest) -> Iterator:
     kwargs = dict(getattr(request, "param", {}) or {})  # a copy: parametrised dicts are shared
     # A lost run's reconnect grace is 30 s by default; tests that kill a run should not wait that long
     # (test_chaos.py reconnects within the default grace, test_durable_sessions.py across a restart).
-    handle = serve(port=0, config=kwargs.pop("config", None) or ServerConfig(reconnect_grace=0.5), **kwargs)
+    handle = serve(port=0, config=kwargs.pop("config", None) or ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)), **kwargs)
     yield handle
     handle.stop(grace=0.5)
 

@@ -111,7 +111,7 @@ def _config(args: argparse.Namespace):
     from twinstep.server.config import ServerConfig, load_config
 
     config = load_config(args.config) if args.config else ServerConfig()
-    config.halt_on_divergence = False
+    config.halt.on_divergence = False
     if args.mapping:
         config.mapping = NameMapping.from_dict(_yaml(yaml, pathlib.Path(args.mapping)), f"--mapping {args.mapping}")
     if args.layer_mapping:

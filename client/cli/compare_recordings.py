@@ -83,7 +83,7 @@ def compare(args: argparse.Namespace):
     from twinstep.server.record.compare import compare_sides, resolve
 
     config = load_config(args.config) if args.config else ServerConfig()
-    config.halt_on_divergence = False
+    config.halt.on_divergence = False
     names = tuple(args.names) if args.names else None
     if names and names[0] == names[1]:
         raise ValueError("--names: the two runs need different names")

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -15,6 +14,7 @@ import grpc
 from twinstep._version import __version__
 from twinstep.cli import watch as watch_cli
 from twinstep.cli import run as run_cli
+from twinstep.cli import serve as serve_cli
 from twinstep.cli import report_files
 from twinstep.cli import compare_dumps as compare_dumps_cli
 from twinstep.cli import reproduce as reproduce_cli
@@ -49,60 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"twinstep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the comparison server")
-    serve.add_argument("--port", type=int, default=50051)
-    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
-    serve.add_argument("--config", help="YAML config: tolerances, name mapping, window")
-    serve.add_argument("--halt-on-divergence", action="store_true", help="halt every run of a session at its first divergence")
-    serve.add_argument("--release-freed-memory", action="store_true",
-                       help="let the allocator return freed memory to the OS: a smaller resident size after bursts, "
-                            "at the cost of page faults on every tensor piece (see twinstep.server.memory)")
-    durable = serve.add_argument_group("durable sessions (README: Reliability)")
-    durable.add_argument("--journal", metavar="DIR",
-                         help="keep sessions in a journal in DIR: they survive a restart of the server "
-                              "(default: $TWINSTEP_JOURNAL; none: sessions live in memory only)")
-    durable.add_argument("--session-ttl", type=float, metavar="SECONDS",
-                         help="seconds a finished session stays in memory before only its report is kept (default 3600)")
-    recording = serve.add_argument_group("record and replay (docs/recording.md)")
-    recording.add_argument("--record", metavar="DIR",
-                           help="record every session's streams in DIR, one compressed file per session, to compare "
-                                "a later candidate against (--replay) or offline (compare-recordings)")
-    recording.add_argument("--record-budget", type=int, metavar="BYTES",
-                           help="bytes the recordings in DIR may take (default 10 GiB): past it the oldest finished "
-                                "ones are deleted, then recordings take no more steps (logged and counted)")
-    recording.add_argument("--replay", metavar="SESSION=PATH[:RUN]", action="append", default=[],
-                           help="session SESSION's baseline is run RUN (default: the baseline) of a recording (a "
-                                "file, or the newest of SESSION in a directory), played at the pace of the "
-                                "candidates that join (repeatable)")
-    dashboard = serve.add_argument_group("dashboard (docs/dashboard.md)")
-    dashboard.add_argument("--http-port", type=int, metavar="PORT",
-                           help="also serve the live dashboard and /metrics over HTTP on PORT (0: a free port; "
-                                "HTTPS with the server's TLS certificate, the same tokens)")
-    dashboard.add_argument("--http-host", metavar="HOST",
-                           help="interface of the dashboard (default: --host; the loopback rule applies)")
-    alerts = serve.add_argument_group("alerts (docs/alerts.md)")
-    alerts.add_argument("--webhook", metavar="URL", action="append", default=[],
-                        help="POST divergences, halts, lost runs and capture failures to URL (repeatable; the config "
-                             "file's webhooks: list also sets events and headers)")
-    alerts.add_argument("--webhook-format", choices=("json", "slack"), default="json",
-                        help="body of the --webhook POSTs: twinstep's JSON payload, or a Slack incoming-webhook "
-                             "message (default %(default)s)")
-    tls = serve.add_argument_group("security (README: Security)")
-    tls.add_argument("--tls-cert", metavar="FILE", help="PEM certificate the server presents (default: $TWINSTEP_TLS_CERT)")
-    tls.add_argument("--tls-key", metavar="FILE", help="its PEM private key (default: $TWINSTEP_TLS_KEY)")
-    tls.add_argument("--tls-client-ca", metavar="FILE",
-                     help="require client certificates signed by this CA: mutual TLS (default: $TWINSTEP_TLS_CLIENT_CA)")
-    tls.add_argument("--self-signed", metavar="DIR",
-                     help="use DIR/server.crt and DIR/server.key, generating a self-signed pair there first if absent")
-    tls.add_argument("--operator-token", metavar="TOKEN",
-                     help="token that may do everything, halt included (default: $TWINSTEP_OPERATOR_TOKEN)")
-    tls.add_argument("--session-token", metavar="SESSION=TOKEN", action="append", default=[],
-                     help="token for one session's jobs and watchers (repeatable)")
-    tls.add_argument("--tokens-file", metavar="FILE",
-                     help="SESSION=TOKEN lines, # comments (default: $TWINSTEP_TOKENS_FILE)")
-    tls.add_argument("--insecure", action="store_true", default=None,
-                     help="allow plaintext or no tokens on a non-loopback --host (default: $TWINSTEP_INSECURE)")
-
+    serve_cli.add_parser(sub)
     watch_cli.add_parser(sub)
     compare_dumps_cli.add_parser(sub)
     zoom_cli.add_parser(sub)
@@ -141,8 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "comma-separated (paddle,mindspore: a three-way session)")
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--capture", choices=("stats", "tensors"), default="stats")
-    demo.add_argument("--http-port", type=int, metavar="PORT",
-                      help="show the live dashboard of the demo's server on PORT (0: a free port)")
+    serve_cli.add_server_flag(demo, "dashboard.port", help="show the live dashboard of the demo's server on PORT (0: a free port)")
     run_cli.add_parser(sub)
     add_examples(sub)
     return parser
@@ -152,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"serve": _serve, "watch": watch_cli.run, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions, "run": run_cli.run,
+        return {"serve": serve_cli.run, "watch": watch_cli.run, "report": _report, "mapping": _mapping, "halt": _halt, "demo": _demo, "sessions": _sessions, "run": run_cli.run,
                 "compare-dumps": compare_dumps_cli.run, "zoom": zoom_cli.run, "reproduce": reproduce_cli.run, "compare-recordings": compare_recordings_cli.run}[args.command](args)
     except grpc.RpcError as error:
         from twinstep.runtime.transport.security import explain
@@ -168,98 +114,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from twinstep.server import ServerConfig, load_config, serve
-    from twinstep.server.memory import retain_freed_memory
-
-    config = load_config(args.config) if args.config else ServerConfig()
-    journal = args.journal or os.environ.get("TWINSTEP_JOURNAL")
-    if journal:
-        config.journal = journal
-    _record_options(args, config)
-    if args.session_ttl is not None:
-        if args.session_ttl < 0:
-            raise ValueError("--session-ttl must not be negative")
-        config.session_ttl = args.session_ttl
-    if args.webhook:
-        from twinstep.server.alert.webhook_config import WebhookConfig
-
-        config.webhooks = [*config.webhooks, *(WebhookConfig(url=url, format=args.webhook_format)
-                                               for url in args.webhook)]
-    security = _server_security(args)
-    if not args.release_freed_memory:
-        retain_freed_memory()  # this process is the server's own
-    handle = serve(port=args.port, host=args.host, config=config, halt_on_divergence=args.halt_on_divergence or None,
-                   security=security, http_port=args.http_port, http_host=args.http_host)
-    print(f"twinstep server listening on {args.host}:{handle.port}"
-          f" ({'TLS' if handle.tls else 'plaintext'}{', tokens required' if security.operator_token or security.session_tokens else ''})",
-          flush=True)
-    if handle.http_url:
-        print(f"dashboard: {handle.http_url}", flush=True)
-    if config.journal:
-        restored = handle.registry.names()
-        print(f"journal: {handle.registry.store.directory if handle.registry.store else config.journal}"
-              + (f" (restored: {', '.join(restored)})" if restored else ""), flush=True)
-    if handle.recording is not None:
-        _print_recording(handle.recording)
-    if args.self_signed:
-        print(f"clients trust this server with: export TWINSTEP_TLS_CA={os.path.abspath(security.tls_cert or '')}",
-              flush=True)
-    stop = {"requested": False}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop["requested"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    while not stop["requested"]:
-        time.sleep(0.2)
-    handle.stop(grace=2.0)
-    return 0
-
-
-def _print_recording(service) -> None:
-    if service.recorder is not None:
-        print(f"recording every session in {service.recorder.directory}", flush=True)
-    for session, player in service.players.items():
-        print(f"session {session}: baseline {player.run.name!r} played from {player.path}", flush=True)
-
-
-def _record_options(args: argparse.Namespace, config) -> None:
-    """--record, --record-budget and --replay over the config file's record, record_budget and replay."""
-    if args.record:
-        config.record = args.record
-    if args.record_budget is not None:
-        if args.record_budget < 1:
-            raise ValueError("--record-budget must be a positive number of bytes")
-        config.record_budget = args.record_budget
-    for text in args.replay:
-        session, sep, source = text.partition("=")
-        if not sep or not session or not source:
-            raise ValueError(f"--replay {text!r}: expected SESSION=PATH[:RUN], e.g. --replay port=recordings:torch")
-        config.replay[session] = source
-
-
-def _server_security(args: argparse.Namespace):
-    """Flags over environment variables (twinstep.server.security.ServerSecurity.from_environment)."""
-    from twinstep.server.security import ServerSecurity, parse_session_token, read_tokens_file, self_signed
-
-    env = ServerSecurity.from_environment()
-    cert, key = args.tls_cert or env.tls_cert, args.tls_key or env.tls_key
-    if args.self_signed:
-        if args.tls_cert or args.tls_key:
-            raise ValueError("--self-signed and --tls-cert/--tls-key are exclusive")
-        cert_path, key_path = self_signed(args.self_signed, hosts=[args.host])
-        cert, key = str(cert_path), str(key_path)
-    tokens = list(env.session_tokens) if not args.tokens_file else read_tokens_file(args.tokens_file)
-    tokens += [parse_session_token(text) for text in args.session_token]
-    return ServerSecurity(
-        tls_cert=cert, tls_key=key, tls_client_ca=args.tls_client_ca or env.tls_client_ca,
-        operator_token=args.operator_token or env.operator_token, session_tokens=tokens,
-        insecure=env.insecure if args.insecure is None else args.insecure,
-    )
 
 
 class _Client:
@@ -356,7 +210,7 @@ def _demo(args: argparse.Namespace) -> int:
     from twinstep.tools.demo.run import run_demo
 
     return run_demo(bug=None if args.no_bug else args.bug, steps=args.steps, capture=args.capture,
-                    http_port=args.http_port, candidates=args.candidate)
+                    http_port=serve_cli.server_flag(args, "dashboard.port"), candidates=args.candidate)
 
 
 if __name__ == "__main__":

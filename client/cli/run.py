@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 
+from twinstep._settings import METAVARS, option_sections
 from twinstep.runtime import settings
 
 EXAMPLES = """\
@@ -33,12 +34,8 @@ on, whose parameters an optimizer updates; a step ends when that optimizer's ste
 """
 
 
-#: Settings that differ between the processes of one job: the launcher (torchrun, paddle's) sets them.
-PER_PROCESS = ("rank", "world_size")
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``twinstep run``; every attach setting becomes an option (twinstep.runtime.settings.SETTINGS)."""
+    """Register ``twinstep run``; every attach setting with an option becomes one (twinstep.runtime.settings)."""
     parser = subparsers.add_parser(
         "run", help="run a training command with twinstep attached, without editing it",
         description="Run a training command (python, torchrun, python -m paddle.distributed.launch) with "
@@ -47,36 +44,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings (default: $TWINSTEP_CONFIG)")
     parser.add_argument("--show-config", action="store_true",
                         help="print every setting, its value and where it comes from, and exit")
-    for setting in settings.SETTINGS:
-        if setting.name in PER_PROCESS:
-            continue
-        flag = _flag(setting)
-        help_text = f"{setting.help} (default: ${setting.env}"
-        help_text += f", else {_shown(setting.default)})" if setting.default is not None else ")"
-        if setting.is_flag:
-            parser.add_argument(flag, dest=setting.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        elif setting.is_patterns:
-            parser.add_argument(flag, dest=setting.name, action="append", metavar="PATTERN",
-                                help=help_text + "; repeatable, or comma-separated")
-        else:
-            metavar = "{" + ",".join(setting.choices) + "}" if setting.choices else setting.name.upper()
-            parser.add_argument(flag, dest=setting.name, metavar=metavar, help=help_text)
+    for section, item in option_sections(parser, settings.AttachSettings, lambda s: s.option):
+        _add_option(section, item)
     parser.add_argument("training", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS ...]",
                         help="the training command, after --")
     return parser
 
 
-def _flag(setting: settings.Setting) -> str:
-    return "--" + setting.name.replace("_", "-")
-
-
-def _shown(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return ",".join(value) or "none"
-    return str(value)
+def _add_option(parser: argparse._ActionsContainer, item: settings.Setting) -> None:
+    """The setting's option: its help's first sentence, its variable and its default."""
+    assert item.option is not None
+    help_text = f"{item.summary} (default: ${item.env}"
+    help_text += f", else {item.default_text()})" if not item.spec.required and item.default is not None else ")"
+    help_text = help_text.replace("%", "%%")
+    if item.kind == "flag":
+        parser.add_argument(item.option, dest=item.name, action=argparse.BooleanOptionalAction, default=None,
+                            help=help_text)
+    elif item.kind == "patterns":
+        parser.add_argument(item.option, dest=item.name, action="append", metavar="PATTERN",
+                            help=help_text + "; repeatable, or comma-separated")
+    else:
+        metavar = ("{" + ",".join(item.choices) + "}" if item.choices else item.spec.metavar
+                   or METAVARS.get(item.kind, item.name.upper()))
+        parser.add_argument(item.option, dest=item.name, metavar=metavar, help=help_text)
 
 
 def child_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -84,16 +74,13 @@ def child_environment(args: argparse.Namespace, base: dict[str, str] | None = No
     from twinstep.runtime.autoattach import BOOTSTRAP_DIR, ENV_ACTIVE
 
     env = dict(os.environ if base is None else base)
-    for setting in settings.SETTINGS:
-        value = getattr(args, setting.name, None)
+    for item in settings.SETTINGS:
+        value = getattr(args, item.name, None) if item.option else None
         if value is None:
             continue
-        if isinstance(value, bool):
-            value = "1" if value else "0"
-        elif isinstance(value, list):
-            value = ",".join(value)
-        setting.read(value, _flag(setting))  # a bad option is named as the user wrote it
-        env[setting.env] = str(value)
+        text = item.text(value)
+        item.read(text, item.option)  # a bad option is named as the user wrote it
+        env[item.env] = text
     if args.config:
         env[settings.ENV_CONFIG] = os.path.abspath(args.config)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
@@ -108,14 +95,14 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     env = child_environment(args)
     resolved = settings.resolve(environ=env)  # a bad setting stops here, before the training starts
-    for setting in settings.SETTINGS:
-        if getattr(args, setting.name, None) is not None:
-            resolved.sources[setting.name] = _flag(setting)
+    for item in settings.SETTINGS:
+        if item.option and getattr(args, item.name, None) is not None:
+            resolved.sources[item.name] = item.option
     if args.show_config:
         print(f"config file: {resolved.config_file or 'none'}")
         print(resolved.describe())
         return 0
-    missing = [name for name in ("session", "run", "server") if not resolved.values[name]]
+    missing = [item.name for item in settings.SETTINGS if item.spec.required and not resolved.values[item.name]]
     if missing:
         raise ValueError(f"no {', no '.join(missing)} given: pass --{' --'.join(missing)}, set "
                          f"{', '.join(settings.BY_NAME[m].env for m in missing)}, or put them in the config file")

@@ -73,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from twinstep.cli.main import _Client
 
     live = not args.plain and sys.stdout.isatty()
+    if live:  # before connecting: the live view needs rich; --plain needs nothing more
+        from twinstep.server.extras import LIVE_VIEW, require
+
+        require(LIVE_VIEW, "twinstep watch's live view", hint=" (or --plain: one line per event)")
     with _Client(args) as client:
         events = client.stub.Watch(pb.WatchRequest(session=args.session), metadata=client.metadata)
         if live:

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from twinstep.runtime import environment, settings
 from twinstep._version import PROTOCOL_VERSION, __version__
@@ -38,58 +38,37 @@ from twinstep.runtime.weights import WeightPublisher, load_from_baseline
 
 logger = logging.getLogger("twinstep")
 
-ENV_SERVER = "TWINSTEP_SERVER"
 _DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
 class Monitor:
     """A model attached to a comparison session; see :func:`attach`."""
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        session: str,
-        run: str,
-        baseline: bool,
-        reference: bool,
-        precision: str,
-        server: str,
-        capture: CaptureConfig,
-        rank: int,
-        world_size: int,
-        lockstep: int,
-        lockstep_timeout: float,
-        stream: StreamConfig,
-        sender: str = "thread",
-        start_step: int = 0,
-        bundle_dir: str = "twinstep-bundles",
-        optimizer: Any | None = None,
-        share_weights: bool = False,
-        init_from_baseline: bool = False,
-        init_timeout: float = 300.0,
-        publish_batches: bool = False,
-        sync_batches: bool = False,
-        batch_timeout: float = 300.0,
-    ) -> None:
+    def __init__(self, model: Any, chosen: settings.AttachSettings, *, capture: CaptureConfig, stream: StreamConfig,
+                 optimizer: Any | None = None) -> None:
+        identity, weights, batches = chosen.identity, chosen.weights, chosen.batches
+        session, run, rank, baseline = identity.session or "", identity.run or "", identity.rank, identity.baseline
+        server, start_step = stream.target, chosen.capture.start_step
+        self.settings = chosen
+        """Every setting this monitor runs with, by group (twinstep.runtime.settings.AttachSettings)."""
         self.session = session
         self.run = run
         self.rank = rank
-        self.world_size = world_size
+        self.world_size = identity.world_size
         self.optimizer = optimizer
         """The training's optimizer given to attach (None: not given); its set-up is sent (docs/preflight.md)."""
         self._capture = capture
-        self._lockstep = lockstep
-        self._lockstep_timeout = lockstep_timeout
+        self._lockstep = chosen.pacing.lockstep
+        self._lockstep_timeout = chosen.pacing.lockstep_timeout
         self._step = start_step
         self._closed = False
         self._halt_lock = threading.Lock()
         self._halt: tuple[int, str] | None = None  # (at_step, reason)
         self._control = CaptureControl(run, rank, lambda: self._step)
         """Zoom windows the server sent (live capture control, twinstep.runtime.capture.control)."""
-        self._bundle_about = {"session": session, "run": run, "baseline": baseline, "reference": reference,
-                              "rank": rank, "world_size": world_size}
-        self._bundle_dir = bundle_dir
+        self._bundle_about = {"session": session, "run": run, "baseline": baseline, "reference": identity.reference,
+                              "rank": rank, "world_size": identity.world_size}
+        self._bundle_dir = chosen.reproduce.bundle_dir
         self._bundles_armed: list = []  # twinstep.tools.reproduce.capture.BundleCapture of the step in progress
         self._bundles_done: list = []
         self._ops_armed: list = []  # twinstep.runtime.capture.ops.OpsCapture of the step in progress (zoom --ops)
@@ -99,12 +78,12 @@ class Monitor:
         # Weight sync (docs/weight-sync.md), before any hook and before the Hello, which says what was loaded.
         self.weight_sync: pb.WeightSync | None = None
         """What init_from_baseline loaded from the baseline's initial parameters (None: not asked for)."""
-        if init_from_baseline:  # raises WeightSyncError, the model untouched, when they cannot all be loaded
+        if weights.init_from_baseline:  # raises WeightSyncError, the model untouched, when they cannot all be loaded
             self.weight_sync = load_from_baseline(model, self._backend, session=session, run=run, target=server,
-                                                  security=stream.security, timeout=init_timeout,
+                                                  security=stream.security, timeout=weights.init_timeout,
                                                   compress=stream.compression == "zstd")
         self._weights: WeightPublisher | None = None
-        if share_weights and baseline and rank == 0:  # every rank of a data-parallel run holds the same values
+        if weights.share_weights and baseline and rank == 0:  # every rank of a data-parallel run holds the same values
             try:
                 self._weights = WeightPublisher(model, self._backend, session=session, run=run, target=server,
                                                 security=stream.security, compress=stream.compression == "zstd")
@@ -119,14 +98,15 @@ class Monitor:
             framework=self._backend.framework,
             framework_version=framework_version,
             rank=rank,
-            world_size=world_size,
+            world_size=identity.world_size,
             host=socket.gethostname(),
             pid=os.getpid(),
             client_version=__version__,
             capture=capture.capture,
-            max_lead=lockstep,
-            reference=reference,
-            precision=precision if precision != "auto" else self._backend.float32_matmul_precision(),
+            max_lead=chosen.pacing.lockstep,
+            reference=identity.reference,
+            precision=(identity.precision if identity.precision != "auto"
+                       else self._backend.float32_matmul_precision()),
             every=capture.every,
             include=capture.include,
             exclude=capture.exclude,
@@ -137,6 +117,7 @@ class Monitor:
         )
         if self.weight_sync is not None:
             hello.weight_sync.CopyFrom(self.weight_sync)
+        sender = chosen.transport.sender
         if sender == "auto":
             # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
             sender = ("process" if capture.capture != "stats" and SHARED_MEMORY_AVAILABLE
@@ -166,8 +147,8 @@ class Monitor:
         self._baseline = baseline
         self._named = NamedRecords()
         self._batches = BatchSync(target=server, security=stream.security, session=session, run=run, rank=rank,
-                                  baseline=baseline, framework=self._backend.framework, timeout=batch_timeout)
-        if publish_batches or sync_batches:
+                                  baseline=baseline, framework=self._backend.framework, timeout=batches.batch_timeout)
+        if batches.publish_batches or batches.sync_batches:
             self._batches.hook_model(model, lambda: self._step, self._fetch_batch)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close()
@@ -473,131 +454,137 @@ class Monitor:
 def attach(
     model: Any,
     *,
+    # BEGIN generated: attach keywords
+    # identity: which run of which comparison session this process is
     session: str | None = None,
     run: str | None = None,
     baseline: bool | None = None,
     reference: bool | None = None,
-    server: str | None = None,
-    capture: str | None = None,
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
-    every: int | None = None,
+    precision: Literal["auto", "fp32", "tf32"] | None = None,
     rank: int | None = None,
     world_size: int | None = None,
-    lockstep: int | None = None,
-    lockstep_timeout: float | None = None,
-    max_queue_steps: int | None = None,
-    max_queue_bytes: int | None = None,
-    backward: bool | None = None,
-    precision: str | None = None,
-    sketch: bool | None = None,
-    compression: str | None = None,
-    sender: str | None = None,
-    start_step: int | None = None,
+    # connection: how this process reaches the comparison server (docs/security.md)
+    server: str | None = None,
     token: str | None = None,
     tls_ca: str | None = None,
     tls_client_cert: str | None = None,
     tls_client_key: str | None = None,
     insecure: bool | None = None,
+    # capture: what is recorded, and at which steps
+    capture: Literal["stats", "tensors", "lossy"] | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    every: int | None = None,
+    start_step: int | None = None,
+    backward: bool | None = None,
+    sketch: bool | None = None,
     stats_workers: int | None = None,
+    # transport: how steps travel to the server, and what is held while it is behind or away
+    sender: Literal["auto", "thread", "process"] | None = None,
+    compression: Literal["auto", "zstd", "none"] | None = None,
+    max_queue_steps: int | None = None,
+    max_queue_bytes: int | str | None = None,
+    # pacing: whether a faster run waits for the others
+    lockstep: int | None = None,
+    lockstep_timeout: float | None = None,
+    # weights: starting candidates from the baseline's initial parameters (docs/weight-sync.md)
     share_weights: bool | None = None,
     init_from_baseline: bool | None = None,
     init_timeout: float | None = None,
+    # batches: feeding candidates the baseline's inputs (docs/records-and-batches.md)
     publish_batches: bool | None = None,
     sync_batches: bool | None = None,
     batch_timeout: float | None = None,
+    # reproduce: what the server may ask this process to write (docs/zoom-and-reproduce.md)
     bundle_dir: str | None = None,
+    # END generated: attach keywords
     optimizer: Any | None = None,
     config: str | None = None,
 ) -> Monitor:
     """Attach twinstep to a ``torch.nn.Module``, ``paddle.nn.Layer`` or ``mindspore.nn.Cell`` and start streaming.
 
-    Every argument left out (None) comes from the environment variable
+    Every setting left out (None) comes from its environment variable
     ``TWINSTEP_<NAME>`` (``TWINSTEP_SESSION``, ``TWINSTEP_CAPTURE``, ...), else
     from the YAML config file (``config`` or ``$TWINSTEP_CONFIG``: its top-level
-    keys, overridden by its ``runs: {RUN: ...}`` section), else the default
-    given below (twinstep.runtime.settings).  A value that cannot be read is a
-    ValueError naming the variable or the file and key.
+    keys, overridden by its ``runs: {RUN: ...}`` section), else its default.
+    The settings are defined, in groups, in twinstep.runtime.settings; their
+    table is in docs/attach.md.  A value that cannot be read is a ValueError
+    naming the argument, the variable, or the file and key.
 
     Args:
-        session: comparison session name; both trainings use the same one.
-        run: this training's name within the session (e.g. "torch", "paddle").
-        baseline: True for the run the others are judged against.
-        reference: True for a rerun of the baseline (determinism off, or another
-            precision) that measures its own noise: candidates are then judged
-            against multiples of each record's noise band.
-        server: ``host:port``; defaults to ``$TWINSTEP_SERVER``.
-        capture: "stats" (per-tensor statistics), "tensors" (plus lossless full
-            tensors) or "lossy" (plus full tensors quantised within the error the
-            server's tolerances allow: no verdict changes, fewer bytes).
-        include, exclude: glob patterns over module names selecting what is hooked.
-        every: capture every N-th step.
-        rank, world_size: default to torchrun's RANK/WORLD_SIZE or
-            paddle.distributed.launch's PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM.
-        lockstep: if > 0, ``step()`` waits while this run leads the slowest
-            other run by this many steps (opt-in: it slows the faster training).
-        lockstep_timeout: longest single lockstep wait before giving up lockstep.
-        max_queue_steps, max_queue_bytes: bound on data held while the server is
-            behind or away; the oldest steps are dropped (and counted) beyond it.
-        backward: record gradients with respect to module outputs.
-        precision: arithmetic of this run's float32 matrix products, "fp32" or
-            "tf32"; "auto" asks the framework (TF32 on GPUs unless disabled).
-            Float32 records of a tf32 run are judged with looser tf32 tolerances.
-        sketch: also send a count-sketch of every floating tensor (1 KiB each), from
-            which the server estimates rel_l2 and cosine of whole tensors.
-        compression: lossless compression of full tensors: "zstd", "none", or
-            "auto" (zstd, except for a dtype it shrinks by under 10%, such as
-            float32 activations: there the CPU is worth more than the bytes).
-            Use "zstd" over slow links.
-        sender: where full tensors are encoded and sent: "thread" (a thread of
-            this process), "process" (a sender process reading the tensor copies
-            from shared memory, so its work never holds this process's GIL), or
-            "auto": "process" for capture "tensors" and "lossy" of a model on
-            the CPU where shared memory exists (Linux), else "thread" (an
-            accelerator's copies stay asynchronous only into the thread
-            sender's pinned buffers).  Statistics always use a thread.
-        start_step: the number of the first step this monitor records: a run
-            resumed from a checkpoint, or attached after some steps, numbers its
-            steps as the baseline does.  The server reports the steps before it
-            as not compared.
-        token: the session's (or the operator's) token, sent as 'authorization:
-            Bearer TOKEN'; defaults to ``$TWINSTEP_TOKEN``.  A server that
-            refuses it ends capture with one error log; training continues.
-        tls_ca: PEM file of the CA, or the server's self-signed certificate, to
-            trust; defaults to ``$TWINSTEP_TLS_CA`` (then the system's CAs).
-        tls_client_cert, tls_client_key: PEM files for a server that asks for
-            client certificates (mutual TLS); default to
-            ``$TWINSTEP_TLS_CLIENT_CERT`` and ``$TWINSTEP_TLS_CLIENT_KEY``.
-        insecure: plaintext to a server that is not on a loopback address
-            (default ``$TWINSTEP_INSECURE``).  Without TLS settings a loopback
-            server is reached in plaintext and any other one over TLS.
-            An empty string for a file or token means none (the environment
-            is not read).
-        stats_workers: threads computing the statistics of CPU tensors while the
-            training computes (they release the GIL: give them a free core); 0
-            computes them in the hooks, on the training thread.  A tensor
-            modified in place after its capture is detected and computed in its
-            hook from then on; accelerator tensors keep their statistics on the
-            device either way.
-        publish_batches: baseline: publish the inputs of the model's first call
-            in every step, for candidates that sync batches (docs/records-and-batches.md).
-        sync_batches: candidate: call the model, on its first call of every step,
-            with the inputs the baseline published for that step and rank (waiting
-            for them up to ``batch_timeout``; a BatchSyncError past it).
-        batch_timeout: longest wait, in seconds, for the baseline's batch of a step.
-        share_weights: baseline: copy the initial parameters at attach and upload
-            them to the server (in the background; rank 0 only) for candidates that
-            attach with ``init_from_baseline`` (docs/weight-sync.md).  Costs one host
-            copy of the model until the upload is done.
-        init_from_baseline: candidate (or reference): before the first step, load
-            the baseline's initial parameters, converted by the server to this run's
-            names, layouts and fused modules; all or nothing.  Raises
-            :class:`twinstep.WeightSyncError` (the model untouched) when they
-            cannot be loaded.
-        init_timeout: longest wait, in seconds, for the baseline's weights.
-        bundle_dir: the folder reproducer bundles are written to when the server asks
-            for them (a halt with bundle_on_halt, twinstep zoom --bundle); see
-            docs/zoom-and-reproduce.md.
+        session: Comparison session name; every run of a comparison names the same one. Required.
+        run: This training's name within the session (e.g. torch, paddle). Required.
+        baseline: This run is the one the others are judged against. Default: false.
+        reference: This run is a rerun of the baseline (determinism off, or another precision) that
+            measures its own noise: candidates are then judged against multiples of each record's
+            noise band (docs/three-way.md). Default: false.
+        precision: Arithmetic of this run's float32 matrix products: fp32, tf32, or auto, which asks
+            the framework (TF32 on GPUs unless disabled). Float32 records of a tf32 run are judged
+            with looser tf32 tolerances. Default: auto.
+        rank: This process's rank within its run. Without TWINSTEP_RANK: torchrun's RANK or
+            paddle.distributed.launch's PADDLE_TRAINER_ID. Default: 0.
+        world_size: Processes (ranks) of this run. Without TWINSTEP_WORLD_SIZE: WORLD_SIZE or
+            PADDLE_TRAINERS_NUM. Default: 1.
+        server: Address of the comparison server, host:port (gRPC's unix:PATH too). Required.
+        token: The session's (or the operator's) token, sent as 'authorization: Bearer TOKEN'. A
+            server that refuses it ends capture with one error log; training continues. An empty
+            argument means none. Default: none.
+        tls_ca: PEM file of the CA, or of the server's self-signed certificate, to trust (none: the
+            system's CAs). Default: none.
+        tls_client_cert: PEM client certificate, for a server that asks for one (mutual TLS); with
+            tls_client_key. Default: none.
+        tls_client_key: Its PEM private key. Default: none.
+        insecure: Plaintext to a server that is not on a loopback address. Without TLS settings a
+            loopback server is reached in plaintext and any other one over TLS. Default: false.
+        capture: What is sent of each tensor: stats (statistics), tensors (plus the full tensor,
+            lossless) or lossy (plus the full tensor quantised within the error the server's
+            tolerances allow: no verdict changes, fewer bytes). Default: stats.
+        include: Glob patterns over module names selecting what is hooked ('' is the whole model).
+            Default: *.
+        exclude: Glob patterns over module names to leave out. Default: none.
+        every: Capture every N-th step; a step that is not captured runs with no hook attached.
+            Default: 1.
+        start_step: The number of the first step recorded: a run resumed from a checkpoint, or
+            attached after some steps, numbers its steps as the baseline does. The server reports
+            the steps before it as not compared. Default: 0.
+        backward: Record gradients with respect to module outputs. Default: true.
+        sketch: Also send a count-sketch of every floating tensor (1 KiB each), from which the
+            server estimates rel_l2 and cosine of whole tensors. Default: false.
+        stats_workers: Threads computing the statistics of CPU tensors while the training computes
+            (they release the GIL: give them a free core); 0 computes them in the hooks, on the
+            training thread. Default: 1.
+        sender: Where full tensors are encoded and sent: thread (a thread of this process), process
+            (a sender process reading the tensor copies from shared memory, so its work never holds
+            this process's GIL) or auto (process for tensors and lossy capture of a model on the CPU
+            where shared memory exists, else thread). Statistics always use a thread. Default: auto.
+        compression: Lossless compression of full tensors: zstd, none, or auto (zstd, except for a
+            dtype it shrinks by under 10%, such as float32 activations). Use zstd over slow links.
+            Default: auto.
+        max_queue_steps: Steps held while the server is behind or away; the oldest are dropped (and
+            counted) beyond it. Default: 256.
+        max_queue_bytes: Bytes held while the server is behind or away; the oldest steps are dropped
+            (and counted) beyond it. Default: 1GiB.
+        lockstep: If N > 0, step() waits while this run leads the slowest other run by N steps
+            (opt-in: it slows the faster training). Default: 0.
+        lockstep_timeout: Longest single lockstep wait, in seconds; past it the run warns and gives
+            up lockstep. Default: 300.
+        share_weights: Baseline: copy the initial parameters at attach and upload them to the server
+            (in the background; rank 0 only) for candidates that attach with init_from_baseline.
+            Costs one host copy of the model until the upload is done. Default: false.
+        init_from_baseline: Candidate (or reference): before the first step, load the baseline's
+            initial parameters, converted by the server to this run's names, layouts and fused
+            modules; all or nothing (a WeightSyncError, the model untouched, when they cannot be
+            loaded). Default: false.
+        init_timeout: Longest wait for the baseline's weights, in seconds. Default: 300.
+        publish_batches: Baseline: publish the inputs of the model's first call in every step, for
+            candidates that sync batches. Default: false.
+        sync_batches: Candidate: call the model, on its first call of every step, with the inputs
+            the baseline published for that step and rank (waiting up to batch_timeout; a
+            BatchSyncError past it). Default: false.
+        batch_timeout: Longest wait for the baseline's batch of a step, in seconds. Default: 300.
+        bundle_dir: The folder reproducer bundles are written to when the server asks for them (a
+            halt with the server's halt.bundle, or twinstep zoom --bundle). Default:
+            twinstep-bundles.
         optimizer: the training's optimizer (a ``torch.optim.Optimizer`` or a
             ``paddle.optimizer.Optimizer``), an argument only (it cannot come from
             the environment or a file).  Its class and hyper-parameters per
@@ -608,119 +595,30 @@ def attach(
             call, not to the parameters (docs/mindspore.md).
         config: YAML file of settings (default ``$TWINSTEP_CONFIG``); see
             docs/zero-code.md for its shape.
-
-    Defaults: baseline and reference False, capture "stats", include ("*",),
-    exclude (), every 1, lockstep 0, lockstep_timeout 300 s, max_queue_steps
-    256, max_queue_bytes 1 GiB, backward True, precision "auto", sketch False,
-    compression "auto", sender "auto", start_step 0, stats_workers 1, share_weights
-    and init_from_baseline False, init_timeout 300 s, publish_batches
-    and sync_batches False, batch_timeout 300 s, bundle_dir
-    "twinstep-bundles".
     """
     given = {name: value for name, value in locals().items() if name not in settings.ARGUMENT_ONLY}
-    return _attach(model, optimizer=optimizer, **settings.resolve(given, config=config).values)
+    return start(model, settings.resolve(given, config=config).settings, optimizer=optimizer)
 
 
-def _attach(
-    model: Any,
-    *,
-    session: str | None,
-    run: str | None,
-    baseline: bool,
-    reference: bool,
-    server: str | None,
-    capture: str,
-    include: Sequence[str],
-    exclude: Sequence[str],
-    every: int,
-    rank: int | None,
-    world_size: int | None,
-    lockstep: int,
-    lockstep_timeout: float,
-    max_queue_steps: int,
-    max_queue_bytes: int,
-    backward: bool,
-    precision: str,
-    sketch: bool,
-    compression: str,
-    sender: str,
-    start_step: int,
-    token: str | None,
-    tls_ca: str | None,
-    tls_client_cert: str | None,
-    tls_client_key: str | None,
-    insecure: bool | None,
-    stats_workers: int,
-    share_weights: bool = False,
-    init_from_baseline: bool = False,
-    init_timeout: float = 300.0,
-    publish_batches: bool = False,
-    sync_batches: bool = False,
-    batch_timeout: float = 300.0,
-    bundle_dir: str = "twinstep-bundles",
-    optimizer: Any | None = None,
-) -> Monitor:
+def start(model: Any, chosen: settings.AttachSettings, *, optimizer: Any | None = None) -> Monitor:
     """``attach`` with every setting resolved (twinstep.runtime.settings): check them and start the monitor."""
-    target = server
-    if not target:
-        raise ValueError(f"twinstep.attach needs server='host:port', the {ENV_SERVER} environment variable "
-                         f"or server: in the config file ({settings.ENV_CONFIG})")
-    if not session or not run:
-        raise ValueError("twinstep.attach needs a non-empty session and run name: session=/run= arguments, "
-                         "TWINSTEP_SESSION/TWINSTEP_RUN, or session:/run: in the config file "
-                         f"({settings.ENV_CONFIG})")
-    if lockstep < 0:
-        raise ValueError("lockstep must be >= 0")
-    if start_step < 0:
-        raise ValueError(f"start_step must be >= 0, got {start_step}")
-    if precision not in ("auto", "fp32", "tf32"):
-        raise ValueError(f"precision must be 'auto', 'fp32' or 'tf32', got {precision!r}")
-    if sender not in ("auto", "thread", "process"):
-        raise ValueError(f"sender must be 'auto', 'thread' or 'process', got {sender!r}")
-    if publish_batches and not baseline:
-        raise ValueError("publish_batches is the baseline's (baseline=True); a candidate syncs with sync_batches=True")
-    if sync_batches and baseline:
-        raise ValueError("sync_batches is a candidate's: the baseline publishes its batches (publish_batches=True)")
-    if share_weights and not baseline:
-        raise ValueError("share_weights is the baseline's (baseline=True); a candidate loads the baseline's "
-                         "weights with init_from_baseline=True")
-    if init_from_baseline and baseline:
-        raise ValueError("init_from_baseline is for candidates and references: the baseline shares its weights "
-                         "(share_weights=True)")
-    if sender == "process" and not SHARED_MEMORY_AVAILABLE:
+    chosen.check()
+    connection, capture = chosen.connection, chosen.capture
+    if chosen.transport.sender == "process" and not SHARED_MEMORY_AVAILABLE:
         raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
-    security = ClientSecurity.resolve(token=token, tls_ca=tls_ca, tls_client_cert=tls_client_cert,
-                                      tls_client_key=tls_client_key, insecure=insecure)
-    resolved_rank = rank if rank is not None else 0  # the launcher's RANK/PADDLE_TRAINER_ID: twinstep.runtime.settings
-    resolved_world = world_size if world_size is not None else 1
-    if not 0 <= resolved_rank < resolved_world:
-        raise ValueError(f"rank {resolved_rank} is outside world size {resolved_world}")
+    # Resolved already: an empty value means none, and the environment is not read again.
+    security = ClientSecurity.resolve(token=connection.token or "", tls_ca=connection.tls_ca or "",
+                                      tls_client_cert=connection.tls_client_cert or "",
+                                      tls_client_key=connection.tls_client_key or "", insecure=connection.insecure)
     return Monitor(
         model,
-        session=session,
-        run=run,
-        baseline=baseline,
-        reference=reference,
-        precision=precision,
-        server=target,
+        chosen,
         capture=CaptureConfig(
-            capture=capture, include=tuple(include), exclude=tuple(exclude), every=every, backward=backward,
-            sketch=sketch, stats_workers=stats_workers,
+            capture=capture.capture, include=capture.include, exclude=capture.exclude, every=capture.every,
+            backward=capture.backward, sketch=capture.sketch, stats_workers=capture.stats_workers,
         ),
-        rank=resolved_rank,
-        world_size=resolved_world,
-        lockstep=lockstep,
-        lockstep_timeout=lockstep_timeout,
-        stream=StreamConfig(target=target, max_queue_steps=max_queue_steps, max_queue_bytes=max_queue_bytes,
-                            compression=compression, **security.as_dict()),
-        sender=sender,
-        start_step=start_step,
-        share_weights=share_weights,
-        init_from_baseline=init_from_baseline,
-        init_timeout=init_timeout,
-        publish_batches=publish_batches,
-        sync_batches=sync_batches,
-        batch_timeout=batch_timeout,
-        bundle_dir=bundle_dir,
+        stream=StreamConfig(target=connection.server or "", max_queue_steps=chosen.transport.max_queue_steps,
+                            max_queue_bytes=chosen.transport.max_queue_bytes,
+                            compression=chosen.transport.compression, **security.as_dict()),
         optimizer=optimizer,
     )

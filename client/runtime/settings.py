@@ -1,6 +1,19 @@
-"""Where ``twinstep.attach``'s settings come from, so a job is attached by its launch script alone.
+"""Every setting of ``twinstep.attach``: one typed, grouped definition, and where each value comes from.
 
-Each parameter of ``attach`` is taken, in this order, from:
+The definition.  A setting is one field of a group below (``IdentitySettings``, ``ConnectionSettings``,
+...), declared once with ``setting(...)``: its type is the field's annotation, then its default,
+its help, its bounds, and what a source needs beyond its name.  Its name is the same everywhere:
+the keyword of ``attach``, the key of the YAML file, the option ``--<name>`` of ``twinstep run``
+(but ``rank`` and ``world_size``, which the launcher sets per process) and, upper-cased after
+``TWINSTEP_``, its environment variable.  From the fields come:
+
+- ``attach``'s keyword arguments, written out in twinstep/runtime/api.py so that IDEs and type
+  checkers see them (scripts/gen_settings_docs.py writes them; a test checks they are current);
+- the environment variables and YAML keys that ``resolve`` reads;
+- ``twinstep run``'s options and ``--show-config`` (twinstep.cli.run);
+- the settings table of docs/attach.md (scripts/gen_settings_docs.py; a test checks it is current).
+
+Where a value comes from, in this order:
 
 1. the argument, when the call gives one (not None);
 2. the environment variable ``TWINSTEP_<NAME>`` (``TWINSTEP_SESSION``, ``TWINSTEP_EVERY``, ...);
@@ -11,8 +24,23 @@ Each parameter of ``attach`` is taken, in this order, from:
 4. the default.
 
 An empty environment variable counts as unset.  A value that cannot be read is a ValueError
-naming the variable or the file and key, and the values it accepts: a bad setting stops
-``attach`` before any hook is installed, never later inside the training.
+naming the argument, the variable or the file and key, and the values it accepts: a bad setting
+stops ``attach`` before any hook is installed, never later inside the training.
+
+The YAML file keeps one flat key per setting, its name, as the keyword and the variable do: the
+names are unique across groups, so the groups order the docs and ``--show-config`` and nothing
+more (``capture`` is both a group and a setting).  A group written as a mapping is refused with
+a message that says so.
+
+Hand-written rather than pydantic-settings (or pydantic): this module is imported by every
+training job and by ``twinstep run``'s launcher, which must stay a few small modules
+(tests/unit_tests/test_autoattach.py), and a pydantic dependency in a training job would meet the
+pins of users' ML environments.  What the sources need beyond typed fields would be written by hand
+on top of it all the same: the launchers' rank variables, the per-run sections of one file, paths
+relative to the file, the source of every value, and errors that name the variable or key.  The
+server's settings are declared the same way (twinstep.server.config), on the same machinery
+(twinstep._settings: the declaration, the readers of each kind, ``Resolved``); this module holds
+attach's names, words and sources.
 """
 
 from __future__ import annotations
@@ -20,198 +48,398 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-import re
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, ClassVar, Literal, Mapping
+
+from twinstep import _settings
+from twinstep._settings import Group, all_settings, build, bytes_text, groups_of, value_of
+from twinstep._settings import settings_of  # noqa: F401  (for twinstep run and the docs generator)
 
 logger = logging.getLogger("twinstep")
 
 ENV_PREFIX = "TWINSTEP_"
+#: Not a setting: the YAML file of settings (``attach(config=...)``, ``twinstep run --config``).
 ENV_CONFIG = "TWINSTEP_CONFIG"
-#: Launchers' variables for rank and world size, read after TWINSTEP_RANK / TWINSTEP_WORLD_SIZE.
-LAUNCHER_ENV = {"rank": ("RANK", "PADDLE_TRAINER_ID"), "world_size": ("WORLD_SIZE", "PADDLE_TRAINERS_NUM")}
 
 # The vocabularies of the modules that own them (tests/unit_tests/test_settings.py checks they agree);
 # repeated here so that resolving settings (in `twinstep run`'s launcher too) imports no runtime.
-CAPTURE_MODES = ("stats", "tensors", "lossy")
-COMPRESSIONS = ("auto", "zstd", "none")
-SENDERS = ("auto", "thread", "process")
-PRECISIONS = ("auto", "fp32", "tf32")
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-_SIZE = re.compile(r"^\s*(\d+)\s*(|k|ki|kib|m|mi|mib|g|gi|gib|t|ti|tib)\s*$", re.I)
-_SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-# -- typed readers: (raw value, where it came from) -> value, or ValueError naming where ----------
+CaptureMode = Literal["stats", "tensors", "lossy"]
+Compression = Literal["auto", "zstd", "none"]
+SenderKind = Literal["auto", "thread", "process"]
+Precision = Literal["auto", "fp32", "tf32"]
+CAPTURE_MODES: tuple[str, ...] = typing.get_args(CaptureMode)
+COMPRESSIONS: tuple[str, ...] = typing.get_args(Compression)
+SENDERS: tuple[str, ...] = typing.get_args(SenderKind)
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
 
 
-def _text(value: Any, where: str) -> str:
-    if isinstance(value, (bool, int, float)) or not isinstance(value, str):
-        raise ValueError(f"{where} must be text, got {value!r}")
-    return value
+# -- the declaration: twinstep._settings, with attach's names and rules ---------------------------
 
 
-def _flag(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"{where} must be true or false ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {value!r}")
+class Setting(_settings.Setting):
+    """One setting of ``attach``: its name is its keyword, its YAML key and, upper-cased after
+    ``TWINSTEP_``, its variable; its kind is text, flag, integer, bytes, seconds, choice or patterns."""
 
+    env_prefix: ClassVar[str] = ENV_PREFIX
+    bits: ClassVar[bool] = True  # attach(baseline=1)
 
-def _integer(minimum: int) -> Callable[[Any, str], int]:
-    def read(value: Any, where: str) -> int:
-        number: int | None = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            number = value
-        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            number = int(value)
-        if number is None or number < minimum:
-            raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
-        return number
+    @property
+    def key(self) -> str:
+        """Its name: unique across groups (the keyword, the YAML key, the key of ``Resolved.sources``)."""
+        return self.name
 
-    return read
+    @property
+    def option(self) -> str | None:
+        """``twinstep run``'s option, or None."""
+        return "--" + self.name.replace("_", "-") if self.spec.option else None
 
+    @property
+    def annotation(self) -> str:
+        """The type of attach's keyword, as written in its signature (None: not given)."""
+        return {
+            "text": "str", "flag": "bool", "integer": "int", "bytes": "int | str", "seconds": "float",
+            "choice": "Literal[" + ", ".join(f'"{c}"' for c in self.choices) + "]", "patterns": "Sequence[str]",
+        }[self.kind] + " | None"
 
-def _positive_number(value: Any, where: str) -> float:
-    try:
-        number = float(value) if not isinstance(value, bool) else float("nan")
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not number > 0:
-        raise ValueError(f"{where} must be a positive number of seconds, got {value!r}")
-    return number
+    def takes(self) -> str:
+        """A number's bounds are part of what it must be: integers are never negative (at least their
+        minimum), sizes and timeouts positive."""
+        bounded = {"integer": f"be an integer >= {self.spec.minimum or 0}", "seconds": "be a positive number of seconds",
+                   "bytes": "be a positive number of bytes (e.g. 1073741824, 512MiB, 1GiB)"}
+        return bounded.get(self.kind) or super().takes()
 
+    def verify(self, typed: Any, value: Any, where: str) -> None:
+        """Out of bounds is refused in the same words as unreadable (``takes``)."""
+        if self.kind == "integer":
+            inside = typed >= (self.spec.minimum or 0)
+        else:
+            inside = self.kind not in ("bytes", "seconds") or typed > 0  # not NaN either
+        if not inside:
+            raise self.refusal(value, where)
 
-def _size(value: Any, where: str) -> int:
-    """Bytes: an integer, or with a binary unit (``512MiB``, ``2G``: powers of 1024)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    found = _SIZE.match(value) if isinstance(value, str) else None
-    if found is None or int(found.group(1)) <= 0:
-        raise ValueError(f"{where} must be a positive number of bytes (e.g. 1073741824, 512MiB, 1GiB), got {value!r}")
-    return int(found.group(1)) * 1024 ** _SIZE_UNITS[found.group(2)[:1].lower()]
+    def given(self, value: Any) -> Any:
+        """A group's field: read (an absent optional or required value stays None); errors name the keyword."""
+        if value is None and (self.default is None or self.spec.required):
+            return None
+        return self.read(value, self.name)
 
+    def argument(self, value: Any) -> Any:
+        """An argument of ``attach`` (not None), typed and checked; errors name the keyword."""
+        if self.kind == "patterns" and isinstance(value, str):
+            raise ValueError(f"{self.name} takes a sequence of glob patterns, not a string "
+                             f"(e.g. {self.name}=[{value!r}])")
+        return self.read(value, self.name)
 
-def _choice(*values: str) -> Callable[[Any, str], str]:
-    def read(value: Any, where: str) -> str:
-        if not isinstance(value, str) or value.strip() not in values:
-            raise ValueError(f"{where} must be one of {', '.join(values)}; got {value!r}")
-        return value.strip()
+    def text(self, value: Any) -> str:
+        """The value as its environment variable holds it (``twinstep run`` passes options on so)."""
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if isinstance(value, (list, tuple)):
+            return ",".join(value)
+        return str(value)
 
-    read.choices = values  # type: ignore[attr-defined]  # for the command line's --help
-    return read
+    def show(self, value: Any) -> str:
+        if value is not None and not self.spec.secret and self.kind in ("bytes", "seconds"):
+            return bytes_text(value) if self.kind == "bytes" else f"{value:g}"
+        return super().show(value)
 
+    def default_text(self) -> str:
+        return "(required)" if self.spec.required else super().default_text()
 
-def _patterns(value: Any, where: str) -> tuple[str, ...]:
-    """Glob patterns: a YAML list (or one string), or comma-separated in an environment variable."""
-    if isinstance(value, str):
-        return tuple(p.strip() for p in value.split(","))
-    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
-        return tuple(value)
-    raise ValueError(f"{where} must be glob patterns: a list of strings, or comma-separated text; got {value!r}")
-
-
-# -- the table -----------------------------------------------------------------------------------
+    def accepted(self) -> str:
+        """The values it accepts, in words (the docs' table)."""
+        return {
+            "flag": "true/false", "integer": f"integer >= {self.spec.minimum or 0}", "seconds": "seconds > 0",
+            "bytes": "bytes: 1073741824, 512MiB, 2G", "choice": ", ".join(self.choices),
+            "patterns": "glob patterns: a YAML list, or comma-separated",
+        }.get(self.kind) or self.spec.metavar or "text"
 
 
 @dataclass(frozen=True)
-class Setting:
-    """One parameter of ``attach``: how to read it from text or YAML, its default, and what it means."""
+class Spec(_settings.Spec):
+    """What a field's ``setting(...)`` says besides its type and default (twinstep._settings.Spec), and:"""
 
-    name: str
-    read: Callable[[Any, str], Any]
-    default: Any
-    help: str
-    path: bool = False
-    """A file name: relative names in the config file are relative to the file's folder."""
+    setting_type = Setting
 
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def is_flag(self) -> bool:
-        return self.read is _flag
-
-    @property
-    def is_patterns(self) -> bool:
-        return self.read is _patterns
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        """The accepted values of a setting that has a fixed set of them, else ()."""
-        return getattr(self.read, "choices", ())
+    required: bool = False
+    """``attach`` refuses to start without it (it has no default)."""
+    option: bool = True
+    """``twinstep run`` has an option for it (not for what differs between the processes of one job)."""
+    launcher: tuple[str, ...] = ()
+    """Launchers' variables read after ``TWINSTEP_<NAME>`` (torchrun's, paddle.distributed.launch's)."""
 
 
-#: Every parameter of twinstep.attach (but the model and ``config``), in attach's order.
-SETTINGS: tuple[Setting, ...] = (
-    Setting("session", _text, None, "comparison session name; every run of a comparison uses the same one"),
-    Setting("run", _text, None, "this training's name within the session (e.g. torch, paddle)"),
-    Setting("baseline", _flag, False, "this run is the one the others are judged against"),
-    Setting("reference", _flag, False, "this run is a rerun of the baseline that measures its noise"),
-    Setting("server", _text, None, "host:port of the comparison server"),
-    Setting("capture", _choice(*CAPTURE_MODES), "stats", "statistics, plus full tensors (tensors) or within the error budget (lossy)"),
-    Setting("include", _patterns, ("*",), "glob patterns over module names to hook ('' is the whole model)"),
-    Setting("exclude", _patterns, (), "glob patterns over module names to leave out"),
-    Setting("every", _integer(1), 1, "capture every N-th step"),
-    Setting("rank", _integer(0), None, "this process's rank (default: the launcher's RANK or PADDLE_TRAINER_ID, else 0)"),
-    Setting("world_size", _integer(1), None, "ranks of this run (default: WORLD_SIZE or PADDLE_TRAINERS_NUM, else 1)"),
-    Setting("lockstep", _integer(0), 0, "if N > 0, wait while this run leads the slowest other run by N steps"),
-    Setting("lockstep_timeout", _positive_number, 300.0, "longest single lockstep wait, in seconds"),
-    Setting("max_queue_steps", _integer(1), 256, "steps held while the server is behind or away"),
-    Setting("max_queue_bytes", _size, 1 << 30, "bytes held while the server is behind or away (512MiB, 1GiB, ...)"),
-    Setting("backward", _flag, True, "record gradients with respect to module outputs"),
-    Setting("precision", _choice(*PRECISIONS), "auto", "how this run multiplies float32 matrices"),
-    Setting("sketch", _flag, False, "also send a count-sketch of every floating tensor"),
-    Setting("compression", _choice(*COMPRESSIONS), "auto", "lossless compression of full tensors"),
-    Setting("sender", _choice(*SENDERS), "auto", "who encodes and sends full tensors"),
-    Setting("start_step", _integer(0), 0, "the number of the first step recorded (a resumed run)"),
-    Setting("token", _text, None, "the session's (or operator's) token"),
-    Setting("tls_ca", _text, None, "PEM file of the CA (or self-signed certificate) to trust", path=True),
-    Setting("tls_client_cert", _text, None, "PEM client certificate (mutual TLS)", path=True),
-    Setting("tls_client_key", _text, None, "its PEM key", path=True),
-    Setting("insecure", _flag, None, "plaintext to a server that is not on loopback"),
-    Setting("stats_workers", _integer(0), 1, "threads computing statistics off the training thread (0: in the hooks)"),
-    Setting("share_weights", _flag, False, "baseline: share the initial parameters with candidates (weight sync)"),
-    Setting("init_from_baseline", _flag, False, "candidate: load the baseline's initial parameters before the first step"),
-    Setting("init_timeout", _positive_number, 300.0, "longest wait for the baseline's weights, in seconds"),
-    Setting("publish_batches", _flag, False, "baseline: publish the model's first-call inputs of every step"),
-    Setting("sync_batches", _flag, False, "candidate: feed the model the baseline's published inputs"),
-    Setting("batch_timeout", _positive_number, 300.0, "longest wait for the baseline's batch of a step, in seconds"),
-    Setting("bundle_dir", _text, "twinstep-bundles", "where reproducer bundles are written when the server asks",
-            path=True),
-)
-BY_NAME = {s.name: s for s in SETTINGS}
-#: Parameters of attach that are not settings: objects of the training, never read from the environment or a file.
+def setting(default: Any, *, help: str, **spec: Any) -> Any:
+    """A field of a settings group: its default, its help, and the rest of ``Spec``."""
+    return _settings.declare(Spec(help=help, **spec), default)
+
+
+# -- the settings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdentitySettings(Group):
+    """Which run of which comparison session this process is."""
+
+    group: ClassVar[str] = "identity"
+
+    session: str | None = setting(None, required=True, help="""
+        Comparison session name; every run of a comparison names the same one.""")
+    run: str | None = setting(None, required=True, help="""
+        This training's name within the session (e.g. torch, paddle).""")
+    baseline: bool = setting(False, help="""
+        This run is the one the others are judged against.""")
+    reference: bool = setting(False, help="""
+        This run is a rerun of the baseline (determinism off, or another precision) that measures
+        its own noise: candidates are then judged against multiples of each record's noise band
+        (docs/three-way.md).""")
+    precision: Precision = setting("auto", help="""
+        Arithmetic of this run's float32 matrix products: fp32, tf32, or auto, which asks the
+        framework (TF32 on GPUs unless disabled). Float32 records of a tf32 run are judged with
+        looser tf32 tolerances.""")
+    rank: int = setting(0, minimum=0, option=False, launcher=("RANK", "PADDLE_TRAINER_ID"), help="""
+        This process's rank within its run. Without TWINSTEP_RANK: torchrun's RANK or
+        paddle.distributed.launch's PADDLE_TRAINER_ID.""")
+    world_size: int = setting(1, minimum=1, option=False, launcher=("WORLD_SIZE", "PADDLE_TRAINERS_NUM"), help="""
+        Processes (ranks) of this run. Without TWINSTEP_WORLD_SIZE: WORLD_SIZE or
+        PADDLE_TRAINERS_NUM.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectionSettings(Group):
+    """How this process reaches the comparison server (docs/security.md)."""
+
+    group: ClassVar[str] = "connection"
+
+    server: str | None = setting(None, required=True, metavar="HOST:PORT", help="""
+        Address of the comparison server, host:port (gRPC's unix:PATH too).""")
+    token: str | None = setting(None, secret=True, metavar="TOKEN", help="""
+        The session's (or the operator's) token, sent as 'authorization: Bearer TOKEN'. A server
+        that refuses it ends capture with one error log; training continues. An empty argument
+        means none.""")
+    tls_ca: str | None = setting(None, path=True, metavar="FILE", help="""
+        PEM file of the CA, or of the server's self-signed certificate, to trust (none: the
+        system's CAs).""")
+    tls_client_cert: str | None = setting(None, path=True, metavar="FILE", help="""
+        PEM client certificate, for a server that asks for one (mutual TLS); with tls_client_key.""")
+    tls_client_key: str | None = setting(None, path=True, metavar="FILE", help="""
+        Its PEM private key.""")
+    insecure: bool = setting(False, help="""
+        Plaintext to a server that is not on a loopback address. Without TLS settings a loopback
+        server is reached in plaintext and any other one over TLS.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureSettings(Group):
+    """What is recorded, and at which steps."""
+
+    group: ClassVar[str] = "capture"
+
+    capture: CaptureMode = setting("stats", help="""
+        What is sent of each tensor: stats (statistics), tensors (plus the full tensor, lossless)
+        or lossy (plus the full tensor quantised within the error the server's tolerances allow:
+        no verdict changes, fewer bytes).""")
+    include: tuple[str, ...] = setting(("*",), help="""
+        Glob patterns over module names selecting what is hooked ('' is the whole model).""")
+    exclude: tuple[str, ...] = setting((), help="""
+        Glob patterns over module names to leave out.""")
+    every: int = setting(1, minimum=1, help="""
+        Capture every N-th step; a step that is not captured runs with no hook attached.""")
+    start_step: int = setting(0, minimum=0, help="""
+        The number of the first step recorded: a run resumed from a checkpoint, or attached after
+        some steps, numbers its steps as the baseline does. The server reports the steps before it
+        as not compared.""")
+    backward: bool = setting(True, help="""
+        Record gradients with respect to module outputs.""")
+    sketch: bool = setting(False, help="""
+        Also send a count-sketch of every floating tensor (1 KiB each), from which the server
+        estimates rel_l2 and cosine of whole tensors.""")
+    stats_workers: int = setting(1, minimum=0, help="""
+        Threads computing the statistics of CPU tensors while the training computes (they release
+        the GIL: give them a free core); 0 computes them in the hooks, on the training thread.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportSettings(Group):
+    """How steps travel to the server, and what is held while it is behind or away."""
+
+    group: ClassVar[str] = "transport"
+
+    sender: SenderKind = setting("auto", help="""
+        Where full tensors are encoded and sent: thread (a thread of this process), process (a
+        sender process reading the tensor copies from shared memory, so its work never holds this
+        process's GIL) or auto (process for tensors and lossy capture of a model on the CPU where
+        shared memory exists, else thread). Statistics always use a thread.""")
+    compression: Compression = setting("auto", help="""
+        Lossless compression of full tensors: zstd, none, or auto (zstd, except for a dtype it
+        shrinks by under 10%, such as float32 activations). Use zstd over slow links.""")
+    max_queue_steps: int = setting(256, minimum=1, help="""
+        Steps held while the server is behind or away; the oldest are dropped (and counted) beyond
+        it.""")
+    max_queue_bytes: int = setting(1 << 30, unit="bytes", help="""
+        Bytes held while the server is behind or away; the oldest steps are dropped (and counted)
+        beyond it.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PacingSettings(Group):
+    """Whether a faster run waits for the others."""
+
+    group: ClassVar[str] = "pacing"
+
+    lockstep: int = setting(0, minimum=0, help="""
+        If N > 0, step() waits while this run leads the slowest other run by N steps (opt-in: it
+        slows the faster training).""")
+    lockstep_timeout: float = setting(300.0, unit="seconds", help="""
+        Longest single lockstep wait, in seconds; past it the run warns and gives up lockstep.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSettings(Group):
+    """Starting candidates from the baseline's initial parameters (docs/weight-sync.md)."""
+
+    group: ClassVar[str] = "weights"
+
+    share_weights: bool = setting(False, help="""
+        Baseline: copy the initial parameters at attach and upload them to the server (in the
+        background; rank 0 only) for candidates that attach with init_from_baseline. Costs one host
+        copy of the model until the upload is done.""")
+    init_from_baseline: bool = setting(False, help="""
+        Candidate (or reference): before the first step, load the baseline's initial parameters,
+        converted by the server to this run's names, layouts and fused modules; all or nothing
+        (a WeightSyncError, the model untouched, when they cannot be loaded).""")
+    init_timeout: float = setting(300.0, unit="seconds", help="""
+        Longest wait for the baseline's weights, in seconds.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings(Group):
+    """Feeding candidates the baseline's inputs (docs/records-and-batches.md)."""
+
+    group: ClassVar[str] = "batches"
+
+    publish_batches: bool = setting(False, help="""
+        Baseline: publish the inputs of the model's first call in every step, for candidates that
+        sync batches.""")
+    sync_batches: bool = setting(False, help="""
+        Candidate: call the model, on its first call of every step, with the inputs the baseline
+        published for that step and rank (waiting up to batch_timeout; a BatchSyncError past it).""")
+    batch_timeout: float = setting(300.0, unit="seconds", help="""
+        Longest wait for the baseline's batch of a step, in seconds.""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReproduceSettings(Group):
+    """What the server may ask this process to write (docs/zoom-and-reproduce.md)."""
+
+    group: ClassVar[str] = "reproduce"
+
+    bundle_dir: str = setting("twinstep-bundles", path=True, metavar="DIR", help="""
+        The folder reproducer bundles are written to when the server asks for them (a halt with the
+        server's halt.bundle, or twinstep zoom --bundle).""")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttachSettings:
+    """Every setting of one ``attach``, by group: ``settings.capture.every``, ``settings.connection.server``."""
+
+    identity: IdentitySettings = field(default_factory=IdentitySettings)
+    connection: ConnectionSettings = field(default_factory=ConnectionSettings)
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
+    transport: TransportSettings = field(default_factory=TransportSettings)
+    pacing: PacingSettings = field(default_factory=PacingSettings)
+    weights: WeightSettings = field(default_factory=WeightSettings)
+    batches: BatchSettings = field(default_factory=BatchSettings)
+    reproduce: ReproduceSettings = field(default_factory=ReproduceSettings)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "AttachSettings":
+        """From values by setting name (the rest: defaults); each is checked by its group."""
+        unknown = set(values) - set(BY_NAME)
+        if unknown:
+            raise ValueError(f"unknown twinstep settings {sorted(unknown)} (known: {', '.join(BY_NAME)})")
+        return build(cls, values)
+
+    def value(self, name: str) -> Any:
+        return value_of(self, BY_NAME[name])
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting's value by name, in the definition's order."""
+        return {item.name: self.value(item.name) for item in SETTINGS}
+
+    def replace(self, **changes: Any) -> "AttachSettings":
+        """A copy with some settings changed, by name."""
+        return AttachSettings.from_values({**self.as_dict(), **changes})
+
+    def check(self) -> None:
+        """What one setting alone cannot say: the values ``attach`` needs, and the roles' settings."""
+        identity, batches, weights = self.identity, self.batches, self.weights
+        if not self.connection.server:
+            raise ValueError(f"twinstep.attach needs server='host:port', the {BY_NAME['server'].env} environment "
+                             f"variable or server: in the config file ({ENV_CONFIG})")
+        if not identity.session or not identity.run:
+            raise ValueError("twinstep.attach needs a non-empty session and run name: session=/run= arguments, "
+                             f"TWINSTEP_SESSION/TWINSTEP_RUN, or session:/run: in the config file ({ENV_CONFIG})")
+        if batches.publish_batches and not identity.baseline:
+            raise ValueError("publish_batches is the baseline's (baseline=True); a candidate syncs with "
+                             "sync_batches=True")
+        if batches.sync_batches and identity.baseline:
+            raise ValueError("sync_batches is a candidate's: the baseline publishes its batches "
+                             "(publish_batches=True)")
+        if weights.share_weights and not identity.baseline:
+            raise ValueError("share_weights is the baseline's (baseline=True); a candidate loads the baseline's "
+                             "weights with init_from_baseline=True")
+        if weights.init_from_baseline and identity.baseline:
+            raise ValueError("init_from_baseline is for candidates and references: the baseline shares its weights "
+                             "(share_weights=True)")
+        if not identity.rank < identity.world_size:
+            raise ValueError(f"rank {identity.rank} is outside world size {identity.world_size}")
+
+
+#: The groups, in order: (attribute of AttachSettings, group class).
+GROUPS: tuple[tuple[str, type], ...] = tuple(groups_of(AttachSettings))
+#: Every setting of ``attach``, group by group.
+SETTINGS: tuple[Setting, ...] = all_settings(AttachSettings)  # type: ignore[assignment]
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+if len(BY_NAME) != len(SETTINGS):  # one name is the keyword, the variable and the YAML key: unique across groups
+    raise TypeError("two attach settings share a name")
+#: Parameters of attach that are not settings: objects of the training, or the file; never read from a file.
 ARGUMENT_ONLY = frozenset({"model", "config", "optimizer"})
 #: Keys of a config file: every setting, plus ``runs`` (a section per run name).
 FILE_KEYS = frozenset(BY_NAME) | {"runs"}
 
 
-@dataclass
-class Resolved:
-    """Every setting's value, and where each came from (for messages and ``twinstep run --show-config``)."""
+# -- resolving: arguments > environment > launcher > file > default -------------------------------
 
-    values: dict[str, Any]
-    sources: dict[str, str] = field(default_factory=dict)
-    config_file: str | None = None
 
-    def describe(self) -> str:
-        """One line per setting: name, value and origin."""
-        return "\n".join(f"{name:16} {self.values[name]!r:32} {self.sources[name]}" for name in self.values)
+class Resolved(_settings.Resolved):
+    """Every setting's value (``settings``), and where each came from by name (for messages and
+    ``twinstep run --show-config``, whose lines are group, name, value and source)."""
+
+    header = ("GROUP", "SETTING", "VALUE", "SOURCE")
+
+    @property
+    def settings(self) -> AttachSettings:
+        return self.config
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Every setting's value by name."""
+        return self.settings.as_dict()
+
+    def row(self, item: _settings.Setting) -> tuple[str, ...]:
+        return (item.group, *super().row(item))
 
 
 def resolve(arguments: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
             config: str | None = None) -> Resolved:
     """Every attach setting: arguments (not None) > environment > config file > default.
 
-    ``config`` names the YAML file (else ``$TWINSTEP_CONFIG``).  Raises ValueError naming
-    the variable, or the file and key, of a value that cannot be read.
+    ``config`` names the YAML file (else ``$TWINSTEP_CONFIG``).  Raises ValueError naming the
+    argument, the variable, or the file and key, of a value that cannot be read.
     """
-    arguments = dict(arguments or {})
+    arguments = {k: v for k, v in (arguments or {}).items() if v is not None}
     env = os.environ if environ is None else environ
     unknown = set(arguments) - set(BY_NAME)
     if unknown:
@@ -225,36 +453,32 @@ def resolve(arguments: Mapping[str, Any] | None = None, environ: Mapping[str, st
         file_values, file_sources = _read_file(path, run, f"{where_path}{path}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for setting in SETTINGS:
-        name = setting.name
-        if arguments.get(name) is not None:
-            values[name], sources[name] = arguments[name], "argument"
+    for item in SETTINGS:
+        name = item.name
+        if name in arguments:
+            values[name], sources[name] = item.argument(arguments[name]), "argument"
             continue
-        raw = env.get(setting.env)
-        if raw is not None and raw.strip() != "":
-            values[name], sources[name] = setting.read(raw, setting.env), setting.env
-            continue
-        launcher = _from_launcher(name, env)
-        if launcher is not None:
-            values[name], sources[name] = launcher
+        found = item.from_environment(env) or _from_launcher(item, env)
+        if found is not None:
+            values[name], sources[name] = found
             continue
         if name in file_values:
             values[name], sources[name] = file_values[name], file_sources[name]
             continue
-        values[name], sources[name] = setting.default, "default"
-    return Resolved(values, sources, path)
+        sources[name] = "default"
+    return Resolved(AttachSettings.from_values(values), sources, path)
 
 
-def _from_launcher(name: str, env: Mapping[str, str]) -> tuple[int, str] | None:
+def _from_launcher(item: Setting, env: Mapping[str, str]) -> tuple[int, str] | None:
     """rank / world_size from torchrun's or paddle.distributed.launch's variables (a bad one is warned and skipped)."""
-    for variable in LAUNCHER_ENV.get(name, ()):
+    for variable in item.spec.launcher:
         value = env.get(variable)
         if value is None or value == "":
             continue
         try:
-            return int(value), variable
+            return item.read(value, variable), variable
         except ValueError:
-            logger.warning("twinstep: ignoring %s=%r (not an integer)", variable, value)
+            logger.warning("twinstep: ignoring %s=%r (not an integer >= %d)", variable, value, item.spec.minimum or 0)
     return None
 
 
@@ -291,16 +515,24 @@ def _read_file(path: str, run: str | None, where: str) -> tuple[dict[str, Any], 
         for key, raw in section.items():
             if raw is None:  # `key:` with no value: as if absent
                 continue
-            setting = BY_NAME[key]
-            label = f"{where}: {prefix}{key}"
-            value = setting.read(raw, label)
-            if setting.path and value and not os.path.isabs(value):
-                value = str(file.parent.resolve() / value)
-            values[key], sources[key] = value, f"{path}: {prefix}{key}"
+            item = BY_NAME[key]
+            if isinstance(raw, dict) and key in _GROUP_NAMES:  # `capture: {every: 2}`
+                raise ValueError(f"{where}: {prefix}{key}: settings are flat keys of the file: write "
+                                 f"{', '.join(map(str, raw))} at the top level (the {key} setting itself takes "
+                                 f"{item.accepted()})")
+            value = item.read(raw, f"{where}: {prefix}{key}")
+            values[key], sources[key] = item.relative(value, file.parent.resolve()), f"{path}: {prefix}{key}"
     return values, sources
+
+
+_GROUP_NAMES = frozenset(name for name, _ in GROUPS)
 
 
 def _check_keys(section: Mapping[str, Any], known: frozenset[str], where: str) -> None:
     unknown = [k for k in section if k not in known]
-    if unknown:
-        raise ValueError(f"{where}: unknown settings {sorted(map(str, unknown))} (known: {', '.join(sorted(known))})")
+    if not unknown:
+        return
+    grouped = sorted(str(k) for k in unknown if k in _GROUP_NAMES)
+    hint = (f"; settings are flat keys of the file, not grouped: write {grouped[0]}'s settings "
+            f"({', '.join(s.name for s in SETTINGS if s.group == grouped[0])}) at the top level") if grouped else ""
+    raise ValueError(f"{where}: unknown settings {sorted(map(str, unknown))} (known: {', '.join(sorted(known))}){hint}")

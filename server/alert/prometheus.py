@@ -69,20 +69,12 @@ class _SessionRow:
 
 
 def read_session(session: Session) -> _SessionRow:
-    """Copy what the metrics say of ``session``, under its lock (the Progress path's rows)."""
-    with session.lock:
-        rows = session.run_status()
-        steps_received = {
-            run.name: sum(session.coverage.rank(run.name, rank).delivered.count() for rank in run.ranks)
-            for run in session.runs.values()
-        }
-        declared = set(session.tracker.declared)
-        preflight = {run: sum(f.severity == "warning" for f in findings)
-                     for run, findings in session.preflight.findings.items()}
-        compared = {name: session.tracker.steps_compared_by(name)
-                    for name in (*session.candidates, *session.references)}
-        out = _SessionRow(name=session.name, status=session.status(), halted=session.halted,
-                          steps_compared=session.steps_compared(), held_bytes=session.held_bytes())
+    """Copy what the metrics say of ``session``, at one moment (the Progress path's rows)."""
+    view = session.metrics_view()
+    rows, steps_received, declared = view.runs, view.steps_received, view.diverged
+    preflight, compared = view.preflight_warnings, view.steps_compared_by
+    out = _SessionRow(name=view.name, status=view.status, halted=view.halted, steps_compared=view.steps_compared,
+                      held_bytes=view.held_bytes)
     for row in rows:
         role = "baseline" if row.baseline else "reference" if row.reference else "candidate"
         out.runs.append(_RunRow(
@@ -124,7 +116,7 @@ class SessionCollector(Collector):
             session = self._registry.get(name)
             if session is not None:
                 rows.append(read_session(session))
-        families = _families(rows, self._registry.config.memory_budget_bytes)
+        families = _families(rows, self._registry.config.memory.budget_bytes)
         collect = GaugeMetricFamily("twinstep_metrics_collect_seconds",
                                     "Time this scrape took to read the sessions (their locks held one at a time)")
         collect.add_metric([], time.perf_counter() - started)

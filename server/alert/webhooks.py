@@ -7,9 +7,14 @@ on the publisher's thread, which only appends to each receiver's bounded queue
 receiver delays only its own events.  Each event is tried up to
 ``max_attempts`` times: retried on connection errors, timeouts, 408, 429 and
 5xx with exponential backoff and jitter (a Retry-After header is honoured up
-to the cap); other answers (4xx: a wrong url or token) fail at once.  A stop
-sends what is queued within its time limit, without retries, then aborts the
-request in flight and counts the rest as ``shutdown``.
+to the cap); other answers (4xx: a wrong url or token; 3xx: redirects are not
+followed) fail at once.  A stop sends what is queued within its time limit,
+without retries, then aborts the request in flight and counts the rest as
+``shutdown``.
+
+Requests go through urllib.request, so the proxy variables are honoured as
+everywhere else: ``HTTPS_PROXY`` / ``HTTP_PROXY`` (an https receiver is
+reached through a CONNECT tunnel) and ``NO_PROXY``, read when the server starts.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import random
 import socket
 import ssl
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from twinstep._retry import Backoff, Retry
 from twinstep._version import __version__
 from twinstep.server.alert.webhook_config import WebhookConfig
 from twinstep.server.alert.webhook_payload import event_kind, json_payload, slack_payload
@@ -39,6 +46,7 @@ logger = logging.getLogger("twinstep.server")
 BACKOFF_BASE = 0.5
 """Seconds before the first retry; doubled for each further one (with jitter: half to all of it)."""
 BACKOFF_CAP = 30.0
+_BACKOFF = Backoff(BACKOFF_BASE, BACKOFF_CAP, jitter=(0.5, 1.0))
 _WARN_EVERY = 60.0
 _MAX_ANSWER = 64 << 10
 
@@ -51,13 +59,15 @@ class WebhookReceiver:
         self.name = config.label
         """How logs and metrics call it: scheme://host:port (the path may hold a secret), made unique."""
         self._server = server
-        self._url = urllib.parse.urlsplit(config.url)
+        url = urllib.parse.urlsplit(config.url)
+        # Without user:password@ (http.client never sent it either) and with "/" for an empty path.
+        self._url = urllib.parse.urlunsplit((url.scheme, url.netloc.rpartition("@")[2], url.path or "/", url.query, ""))
         self._queue: deque[pb.Event] = deque()
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._deadline = float("inf")
-        self._active: http.client.HTTPConnection | None = None
-        self._ssl = ssl.create_default_context() if self._url.scheme == "https" else None
+        self._active: _Connection | None = None
+        self._opener = _opener(ssl.create_default_context() if url.scheme == "https" else None, self._track)
         self.sent = 0
         self.failed = 0
         self.retries = 0
@@ -113,55 +123,57 @@ class WebhookReceiver:
     def _deliver(self, event: pb.Event) -> None:
         make = slack_payload if self.config.format == "slack" else json_payload
         body = json.dumps(make(event, self._server)).encode()
-        for attempt in range(self.config.max_attempts):
+        retry = Retry(_BACKOFF, attempts=self.config.max_attempts, stop=self._stopping, on_retry=self._count_retry)
+        while True:
             if self._past_deadline():
                 self._drop("shutdown")
                 return
-            ok, retry, why, wait = self._post(body)
+            ok, retryable, why, wait = self._post(body)
             if ok:
                 self.sent += 1
                 return
-            last = attempt + 1 == self.config.max_attempts or self._stopping.is_set()
-            if not retry or last:
-                self.failed += 1
-                self._warn(f"{event_kind(event)} event of session {event.session!r} not delivered after "
-                           f"{attempt + 1} attempt(s): {why}")
-                return
-            self.retries += 1
-            delay = min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt)
-            delay = max(delay / 2 + random.uniform(0, delay / 2), min(wait, BACKOFF_CAP))
-            self._stopping.wait(delay)  # a stop cuts the backoff short: one last try, if time is left
+            # A stop cuts the backoff short: one last try, if time is left; once stopping, no retries.
+            if retryable and not self._stopping.is_set() and (
+                    retry.again(at_least=min(wait, BACKOFF_CAP)) or retry.ended == "stopped"):
+                continue
+            self.failed += 1
+            self._warn(f"{event_kind(event)} event of session {event.session!r} not delivered after "
+                       f"{retry.attempts_made} attempt(s): {why}")
+            return
+
+    def _count_retry(self, error: BaseException | None, delay: float) -> None:
+        self.retries += 1
+
+    def _track(self, conn: "_Connection | None") -> None:
+        with self._cond:
+            self._active = conn
 
     def _post(self, body: bytes) -> tuple[bool, bool, str, float]:
         """One POST: (delivered, worth retrying, why not, the receiver's Retry-After in seconds)."""
         timeout = min(self.config.timeout, max(0.05, self._deadline - time.monotonic()))
-        url = self._url
-        if url.scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(url.hostname, url.port, timeout=timeout,
-                                                                           context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
-        path = (url.path or "/") + (f"?{url.query}" if url.query else "")
         headers = {"Content-Type": "application/json", "User-Agent": f"twinstep/{__version__}",
                    **self.config.headers}
-        with self._cond:
-            self._active = conn
+        request = urllib.request.Request(self._url, data=body, headers=headers, method="POST")
         try:
-            conn.request("POST", path, body=body, headers=headers)
-            answer = conn.getresponse()
-            text = answer.read(_MAX_ANSWER)
-            status = answer.status
-        except (OSError, http.client.HTTPException) as exc:
+            with self._opener.open(request, timeout=timeout) as answer:
+                answer.read(_MAX_ANSWER)
+            return True, False, "", 0.0
+        except urllib.error.HTTPError as answer:  # the receiver answered, but not with 2xx
+            try:
+                text = answer.read(_MAX_ANSWER)
+            except (OSError, http.client.HTTPException):
+                text = b""
+            finally:
+                answer.close()
+            why = f"HTTP {answer.code}: {text[:200].decode(errors='replace')}"
+            retry = answer.code >= 500 or answer.code in (408, 429)
+            return False, retry, why, _retry_after(answer.headers.get("Retry-After"))
+        except (OSError, http.client.HTTPException) as exc:  # URLError too: no answer (refused, timed out, cut)
+            if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+                exc = exc.reason  # what went wrong, as http.client said it
             return False, True, f"{type(exc).__name__}: {exc}", 0.0
         finally:
-            with self._cond:
-                self._active = None
-            conn.close()
-        if 200 <= status < 300:
-            return True, False, "", 0.0
-        why = f"HTTP {status}: {text[:200].decode(errors='replace')}"
-        retry = status >= 500 or status in (408, 429)
-        return False, retry, why, _retry_after(answer.getheader("Retry-After"))
+            self._track(None)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
@@ -192,13 +204,60 @@ class WebhookReceiver:
                 self._queue.clear()
             if left:
                 self._drop("shutdown", left)
-            if conn is not None and conn.sock is not None:
-                try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read; the thread then ends
+            sock = conn.in_use() if conn is not None else None
+            if sock is not None:
+                try:  # wakes the blocked read; the thread then ends (socket's own shutdown: TLS too)
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
                 except OSError:
                     pass
             self._thread.join(0.5)
         return not self._thread.is_alive()
+
+
+class _Connection(Protocol):
+    """What a receiver holds of its request in flight: the socket stop() shuts down to abort it."""
+
+    def in_use(self) -> Any: ...
+
+
+def _tracked(base: type[http.client.HTTPConnection], track: Callable[[Any], None]) -> Callable[..., Any]:
+    """A connection class for urllib that tells ``track`` about each connection it makes."""
+
+    class Tracked(base):  # type: ignore[misc,valid-type]
+        _held = None
+
+        def connect(self) -> None:
+            super().connect()
+            self._held = self.sock  # urllib drops conn.sock once the answer's head is in; its body is read after
+
+        def in_use(self) -> Any:
+            return self.sock or self._held  # during connect (a proxy's CONNECT, the TLS handshake): the plain socket
+
+    def make(host: str, **kwargs: Any) -> Any:
+        conn = Tracked(host, **kwargs)
+        track(conn)
+        return conn
+
+    return make
+
+
+def _opener(context: ssl.SSLContext | None, track: Callable[[Any], None]) -> urllib.request.OpenerDirector:
+    """urllib with the proxy variables (read now), no redirects followed, and abortable connections."""
+    http_class, https_class = _tracked(http.client.HTTPConnection, track), _tracked(http.client.HTTPSConnection, track)
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req: urllib.request.Request) -> Any:
+            return self.do_open(http_class, req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req: urllib.request.Request) -> Any:
+            return self.do_open(https_class, req, context=context)
+
+    opener = urllib.request.OpenerDirector()
+    for handler in (urllib.request.ProxyHandler(), HTTPHandler(), HTTPSHandler(context=context),
+                    urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
+        opener.add_handler(handler)
+    return opener
 
 
 def _retry_after(value: str | None) -> float:

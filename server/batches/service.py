@@ -17,7 +17,6 @@ import grpc
 from twinstep.wire import codec
 from twinstep.server.batches.buffer import BatchBuffer
 from twinstep.server.errors import InputError
-from twinstep.server.runs.membership import ENDED
 from twinstep.v1 import twinstep_pb2 as pb
 
 if TYPE_CHECKING:
@@ -46,15 +45,12 @@ class BatchSyncService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a published batch needs a run name and a step >= 0")
         session = self._session(request.session, context)
         buffer: BatchBuffer = session.batches
-        with session.lock:
-            run = session.runs.get(request.run)
-            role = "candidate" if run is not None and not run.baseline else ""
-        if role:
+        if session.run_roles().get(request.run, "baseline") != "baseline":
             buffer.refused()
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"run {request.run!r} is a candidate of session {request.session!r}: only the baseline "
                           "publishes batches (a candidate fetches them with Monitor.baseline_batch)")
-        limit = session.config.batch_max_bytes
+        limit = session.config.sync.batch_max_bytes
         try:
             check_batch(request.value, limit)
         except BatchError as error:
@@ -85,18 +81,14 @@ class BatchSyncService:
         if found.dropped:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"the batch of {where} was published but dropped from the server's buffer to stay within "
-                          f"batch_buffer_bytes ({session.config.batch_buffer_bytes} bytes): the baseline ran too far "
+                          f"batch_buffer_bytes ({session.config.sync.batch_buffer_bytes} bytes): the baseline ran too far "
                           "ahead; raise batch_buffer_bytes or pace the baseline (attach(lockstep=N))")
-        with session.lock:
-            baseline = session.runs.get(session.baseline or "")
-            state = baseline.ranks.get(request.rank) if baseline is not None else None
-            ended = state is not None and state.state in ENDED and not state.awaiting_return
-            name = session.baseline
-            last = state.last_step if state is not None else -1
+        base = session.baseline_rank(request.rank)
+        ended, name, last = base.ended, base.run, base.last_step
         latest = session.batches.latest_step(request.rank)
         if ended and session.batches.take(request.rank, request.step, 0.0).batch is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"baseline run {name!r} rank {request.rank} ended ({state.state}, last step {last}) "
+                          f"baseline run {name!r} rank {request.rank} ended ({base.state}, last step {last}) "
                           f"without publishing the batch of step {request.step}")
         if name is None:
             waiting = f"no baseline has joined session {request.session!r} yet"

@@ -2,10 +2,10 @@
 
 Every metric is scale-aware (see ``metrics.py``), so one number per metric and
 phase serves tensors of any magnitude.  The float32 defaults come from
-measurement (README, "Tolerances"): a faithful torch-vs-paddle port stays
+measurement (docs/tolerances.md): a faithful torch-vs-paddle port stays
 below a tenth of them over 20 AdamW steps, while the injected bugs of the test
 suite exceed them by an order of magnitude or more.  Re-measure with the
-calibration notes in README.md ("Metrics and tolerances") before changing them.  The practitioners'
+calibration notes in docs/tolerances.md before changing them.  The practitioners'
 figures they sit within: 1e-4..1e-3 per tensor and 1e-5 on the loss for
 float32 Qwen2 ports (Paddle's alignment guide).
 """
@@ -31,10 +31,10 @@ _FP32_DEFAULTS: dict[str, dict[str, float]] = {
     # forward rms 2.6e-6, mean 2.5e-8, extrema 1.0e-6, rel_l2 1.1e-6.  The GELU-tanh
     # bug: mean 8.8e-5, rel_l2 2e-4 on the activation.
     "forward": {"rms": 5e-5, "mean": 1e-5, "extrema": 1e-4, "rel_l2": 1e-4, "cosine": 1e-6},
-    # Faithful: 9.5e-7 relative at worst; the seeds' 1e-5 for float32 Qwen2 ports.
+    # Faithful: 9.5e-7 relative at worst; porting guides' 1e-5 for float32 Qwen2 ports.
     "loss": {"rms": 1e-5, "mean": 1e-5, "extrema": 1e-5, "rel_l2": 1e-5, "cosine": 1e-6},
     # Faithful: rms 4.2e-6 (backward) and 4.8e-6 (grad) by step 48, growing with the
-    # weights' drift; the seeds' 1e-4 per tensor.
+    # weights' drift; porting guides' 1e-4 per tensor.
     "backward": {"rms": 1e-4, "mean": 1e-4, "extrema": 1e-4, "rel_l2": 1e-4, "cosine": 1e-6},
     "grad": {"rms": 1e-4, "mean": 1e-4, "extrema": 1e-4, "rel_l2": 1e-4, "cosine": 1e-6},
     # Faithful: rms 2.9e-6, mean 6.7e-7.  Adam turns rounding noise in near-zero
@@ -58,7 +58,7 @@ _LOW_PRECISION: dict[str, dict[str, dict[str, float]]] = {
     "bfloat16": {
         # rms 6.7e-3, mean 5.3e-3, extrema 4.7e-2, rel_l2 6.5e-2, cosine 2.1e-3
         "forward": {"rms": 2e-2, "mean": 2e-2, "extrema": 0.2, "rel_l2": 0.2, "cosine": 1e-2},
-        # 1.8e-3 relative; the seeds' first-loss criterion is 0.5%
+        # 1.8e-3 relative; porting guides' first-loss criterion is 0.5%
         "loss": {"rms": 5e-3, "mean": 5e-3, "extrema": 5e-3, "rel_l2": 5e-3},
         # rms 2.4e-2, mean 3.5e-3, extrema 0.17, rel_l2 9.9e-2, cosine 4.6e-3
         "backward": {"rms": 0.1, "mean": 2e-2, "extrema": 0.5, "rel_l2": 0.5, "cosine": 2e-2},

@@ -17,7 +17,7 @@ class ZoomService:
         if session is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server")
         try:
-            return session.zooms.request(session, request)
+            return session.zoom(request)
         except ZoomRefused as refused:
             context.abort(refused.code, refused.message)
             raise  # abort raises; never reached

@@ -19,7 +19,9 @@ for one:
   ``auto_ops``: every run captures that module's operations in one call at
   one step (``ops_module``), and server/ops names the first that differs.
 
-Commands are queued to streams (never blocking); step queries are awaited on
+The windows are the session's state (:class:`ZoomWindows`, kept by its core,
+which names each run's modules and queues the commands); this coordinator
+asks the runs where they are and decides when.  Step queries are awaited on
 the asking thread (the RPC's, or a thread of its own for the session's
 decisions), never under the session's lock.
 """
@@ -41,6 +43,10 @@ from twinstep.v1 import twinstep_pb2 as pb
 if TYPE_CHECKING:
     from twinstep.server.detect.first_divergence import Candidate
     from twinstep.server.session import Session
+    from twinstep.server.session.core import SessionCore
+
+PerRun = Callable[["SessionCore", str, pb.ZoomSpec], pb.ZoomSpec]
+"""A window in one run's own names, from the session's state (called by the core, under the session's lock)."""
 
 logger = logging.getLogger("twinstep.server")
 
@@ -63,24 +69,62 @@ class ZoomRefused(Exception):
 
 
 @dataclass
-class _Window:
+class Window:
     spec: pb.ZoomSpec
     origin: str
     per_run: dict[str, pb.ZoomSpec] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
+    """The runs told (those with an open stream then)."""
     state: str = "sent"
 
 
+class ZoomWindows:
+    """The zoom windows one session remembers (state only: its core holds them)."""
+
+    def __init__(self) -> None:
+        self._windows: list[Window] = []
+        self._next_id = 1
+
+    def open(self, spec: pb.ZoomSpec, origin: str) -> Window:
+        """Number ``spec`` and keep it (the latest MAX_WINDOWS)."""
+        spec.id = self._next_id
+        self._next_id += 1
+        window = Window(spec=spec, origin=origin)
+        self._windows.append(window)
+        del self._windows[:-MAX_WINDOWS]
+        return window
+
+    def told_to(self, run: str) -> list[pb.ZoomSpec]:
+        """What a stream of ``run`` that joins now is told: the run's recent windows."""
+        return [spec for spec in (w.per_run.get(run) for w in self._windows[-16:]) if spec is not None]
+
+    def to_proto(self) -> list[pb.ZoomWindow]:
+        return [pb.ZoomWindow(spec=w.spec, origin=w.origin, runs=w.runs, state=w.state) for w in self._windows]
+
+
+def zoom_command(spec: pb.ZoomSpec) -> pb.ServerMessage:
+    return pb.ServerMessage(command=pb.Command(kind=pb.Command.ZOOM, zoom=spec, reason=spec.reason,
+                                               at_step=spec.first_step))
+
+
+def told_alert(spec: pb.ZoomSpec, origin: str, runs: list[str]) -> pb.Event:
+    """The watchers' line for a window told."""
+    steps = (f"step {spec.first_step}" if spec.first_step == spec.last_step
+             else f"steps {spec.first_step}-{spec.last_step}")
+    bundle = f", a reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else ""
+    if spec.ops_module:
+        bundle += f", the operations of {spec.ops_module!r}"
+    return pb.Event(alert=pb.AlertNotice(level="info", message=(
+        f"zoom #{spec.id} ({origin}): {', '.join(spec.modules[:8]) or '(model)'} in {spec.capture}, {steps}"
+        f"{bundle}; told: {', '.join(runs) or 'no run'}")))
+
+
 class ZoomCoordinator:
-    """The zoom windows of one session, and how they are chosen and told."""
+    """How a session's zoom windows are chosen: step queries to the runs, on the asking thread or one of its own."""
 
     def __init__(self, session: str, timeout: float) -> None:
         self.session = session
         self.steps = StepQuery(timeout)
-        self._lock = threading.Lock()
-        self._windows: list[_Window] = []
-        self._next_id = 1
-        self._halting = False
 
     # -- asked by an operator ---------------------------------------------------------------
 
@@ -113,7 +157,7 @@ class ZoomCoordinator:
         if request.HasField("from_step") and not 0 <= request.from_step < _MAX_STEP:
             raise ZoomRefused(grpc.StatusCode.INVALID_ARGUMENT, f"from_step must be from 0 to {_MAX_STEP - 1}, "
                               f"got {request.from_step}")
-        conns = _open_streams(session)
+        conns = session.open_streams()
         if not conns:
             raise ZoomRefused(grpc.StatusCode.FAILED_PRECONDITION, f"no run of session {self.session!r} is "
                               "streaming: a zoom changes what running trainings capture")
@@ -129,7 +173,7 @@ class ZoomCoordinator:
         spec = pb.ZoomSpec(modules=patterns, capture=capture, sketch=request.sketch, every=every, first_step=first,
                            last_step=first + steps - 1, bundle_module=bundle, divergent_step=-1,
                            reason=request.reason or "asked by an operator", ops_module=request.ops_module)
-        window = self._tell(session, spec, "operator", lambda run, spec: self._operator_spec(session, run, spec))
+        window = session.tell_zoom(spec, "operator", _operator_spec)
         logger.info("session %s: zoom #%d %s in %s, steps %d-%d%s (runs %s)", self.session, window.spec.id,
                     ", ".join(patterns), capture, spec.first_step, spec.last_step,
                     f", bundle of {bundle!r}" if bundle else "", ", ".join(window.runs))
@@ -149,7 +193,7 @@ class ZoomCoordinator:
                          name="twinstep-auto-ops", daemon=True).start()
 
     def _auto_ops(self, session: "Session", found: "Candidate", module: str, candidate_module: str) -> None:
-        conns = _open_streams(session)
+        conns = session.open_streams()
         if not conns:
             return
         at_step = self.steps.reach([c for c, _ in conns]).earliest
@@ -158,31 +202,26 @@ class ZoomCoordinator:
                            divergent_step=comparison.step,
                            reason=f"auto_ops: divergence at step {comparison.step} in the code of {module!r}")
 
-        def per_run(run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+        def per_run(core: "SessionCore", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
             out = pb.ZoomSpec()
             out.CopyFrom(spec)
             out.ops_module = (candidate_module if run == comparison.candidate_run
-                              else _candidate_name(session, run, module))
+                              else _candidate_name(core, run, module))
             return out
 
-        window = self._tell(session, spec, "auto-ops", per_run)
+        window = session.tell_zoom(spec, "auto-ops", per_run)
         logger.warning("session %s: auto_ops #%d: the operations of %r at step %d (runs %s)", self.session,
                        window.spec.id, module, at_step, ", ".join(window.runs))
 
-    def halt_with_bundle(self, session: "Session", found: "Candidate", reason: str) -> bool:
-        """bundle_on_halt: every run writes a bundle of the divergent module, then halts; False if already halting."""
-        with self._lock:
-            if self._halting:
-                return False
-            self._halting = True
+    def halt_with_bundle(self, session: "Session", found: "Candidate", reason: str) -> None:
+        """bundle_on_halt: every run writes a bundle of the divergent module, then halts (the session decided, once)."""
         threading.Thread(target=self._safely, args=(self._bundle_and_halt, session, found, reason),
                          name="twinstep-bundle-halt", daemon=True).start()
-        return True
 
     def _auto(self, session: "Session", found: "Candidate", steps: int) -> None:
         row, comparison = found.row, found.comparison
         base_module = module_names.module_of(row.phase, row.name)
-        conns = _open_streams(session)
+        conns = session.open_streams()
         if not conns:
             return
         reach = self.steps.reach([c for c, _ in conns])
@@ -191,9 +230,9 @@ class ZoomCoordinator:
                            reason=f"auto_zoom: divergence at step {comparison.step}, {row.phase} of "
                                   f"{row.name or '(model)'!r}")
 
-        def per_run(run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
-            own = _run_module(session, run, base_module, found)
-            names = _module_names(session, run)
+        def per_run(core: "SessionCore", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+            own = _run_module(core, run, base_module, found)
+            names = _module_names(core, run)
             out = pb.ZoomSpec()
             out.CopyFrom(spec)
             out.ClearField("modules")
@@ -203,8 +242,8 @@ class ZoomCoordinator:
 
         baseline = session.baseline or ""
         spec.modules.extend(module_names.escape(n) for n in module_names.neighbourhood(
-            base_module, _module_names(session, baseline))[:module_names.MAX_NAMES])
-        window = self._tell(session, spec, "auto", per_run)
+            base_module, session.module_names(baseline))[:module_names.MAX_NAMES])
+        window = session.tell_zoom(spec, "auto", per_run)
         logger.warning("session %s: auto_zoom #%d: %s in full tensors, steps %d-%d (runs %s)", self.session,
                        window.spec.id, ", ".join(spec.modules) or "(model)", spec.first_step, spec.last_step,
                        ", ".join(window.runs))
@@ -223,7 +262,7 @@ class ZoomCoordinator:
         """Tell every run to write a bundle at a step all ranks can reach; that step (None: no bundle)."""
         row, comparison = found.row, found.comparison
         base_module = module_names.module_of(row.phase, row.name)
-        conns = _open_streams(session) if base_module else []  # a loss divergence has no module to bundle
+        conns = session.open_streams() if base_module else []  # a loss divergence has no module to bundle
         if not conns:
             return None
         at_step = self.steps.reach([c for c, _ in conns]).earliest
@@ -232,8 +271,8 @@ class ZoomCoordinator:
                            divergent_step=comparison.step,
                            reason=f"reproducer bundle of the divergence at step {comparison.step}")
 
-        def per_run(run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
-            own = _run_module(session, run, base_module, found)
+        def per_run(core: "SessionCore", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+            own = _run_module(core, run, base_module, found)
             out = pb.ZoomSpec()
             out.CopyFrom(spec)
             out.ClearField("modules")
@@ -241,75 +280,12 @@ class ZoomCoordinator:
             out.bundle_module = own
             return out
 
-        self._tell(session, spec, "halt", per_run)
+        session.tell_zoom(spec, "halt", per_run)
         return at_step
-
-    # -- telling the runs -------------------------------------------------------------------------
-
-    def _tell(self, session: "Session", spec: pb.ZoomSpec, origin: str,
-              per_run: Callable[[str, pb.ZoomSpec], pb.ZoomSpec]) -> _Window:
-        with session.lock:
-            with self._lock:
-                spec.id = self._next_id
-                self._next_id += 1
-                window = _Window(spec=spec, origin=origin)
-                self._windows.append(window)
-                del self._windows[:-MAX_WINDOWS]
-            sends: list[tuple[Connection, pb.ServerMessage]] = []
-            for run in session.runs.values():
-                told = per_run(run.name, spec) if not run.baseline else spec
-                window.per_run[run.name] = told
-                message = pb.ServerMessage(command=pb.Command(kind=pb.Command.ZOOM, zoom=told, reason=spec.reason,
-                                                              at_step=spec.first_step))
-                conns = [s.connection for s in run.ranks.values() if s.connection is not None]
-                if conns:
-                    window.runs.append(run.name)
-                sends.extend((conn, message) for conn in conns)
-        for conn, message in sends:
-            conn.send(message)
-        steps = (f"step {spec.first_step}" if spec.first_step == spec.last_step
-                 else f"steps {spec.first_step}-{spec.last_step}")
-        bundle = f", a reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else ""
-        if spec.ops_module:
-            bundle += f", the operations of {spec.ops_module!r}"
-        session.events.publish(pb.Event(alert=pb.AlertNotice(level="info", message=(
-            f"zoom #{spec.id} ({origin}): {', '.join(spec.modules[:8]) or '(model)'} in {spec.capture}, {steps}"
-            f"{bundle}; told: {', '.join(window.runs) or 'no run'}"))), keep=True)
-        return window
-
-    def _operator_spec(self, session: "Session", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
-        """An operator's patterns, in a run's own names (see names.for_candidate)."""
-        state = session.runs[run]
-        if state.reference:
-            return spec
-        mapping = _mapping(session, run)
-        out = pb.ZoomSpec()
-        out.CopyFrom(spec)
-        out.ClearField("modules")
-        out.modules.extend(module_names.for_candidate(list(spec.modules), _module_names(session, run),
-                                                      mapping.to_baseline))
-        if spec.bundle_module:
-            out.bundle_module = _candidate_name(session, run, spec.bundle_module)
-        if spec.ops_module:
-            out.ops_module = _candidate_name(session, run, spec.ops_module)
-        return out
-
-    def on_join(self, conn: Connection, run: str) -> None:
-        """A stream joined (or came back): tell it the windows of its run that are not over (caller holds the lock)."""
-        with self._lock:
-            told = [w.per_run.get(run) for w in self._windows[-16:]]
-        for spec in told:
-            if spec is not None:
-                conn.send(pb.ServerMessage(command=pb.Command(kind=pb.Command.ZOOM, zoom=spec, reason=spec.reason,
-                                                              at_step=spec.first_step)))
 
     def ack(self, conn: Connection, ack: pb.HaltAck) -> bool:
         """An answer to a step query (True), or to something else (a halt's)."""
         return self.steps.ack(ack, conn.stream_id)
-
-    def to_proto(self) -> list[pb.ZoomWindow]:
-        with self._lock:
-            return [pb.ZoomWindow(spec=w.spec, origin=w.origin, runs=w.runs, state=w.state) for w in self._windows]
 
     def _safely(self, job: Callable[..., None], *args: object) -> None:
         try:
@@ -318,53 +294,54 @@ class ZoomCoordinator:
             logger.exception("session %s: live capture control failed", self.session)
 
 
-# -- what the coordinator reads of its session (under its lock) -----------------------------------
+# -- a window in each run's own names (called by the session core, under its coordinator's lock) ----------
 
 
-def _open_streams(session: "Session") -> list[tuple[Connection, str]]:
-    with session.lock:
-        return [(s.connection, run.name) for run in session.runs.values() for s in run.ranks.values()
-                if s.connection is not None]
+def _operator_spec(core: "SessionCore", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
+    """An operator's patterns, in a run's own names (see names.for_candidate)."""
+    state = core.runs[run]
+    if state.reference:
+        return spec
+    mapping = _mapping(core, run)
+    out = pb.ZoomSpec()
+    out.CopyFrom(spec)
+    out.ClearField("modules")
+    out.modules.extend(module_names.for_candidate(list(spec.modules), _module_names(core, run), mapping.to_baseline))
+    if spec.bundle_module:
+        out.bundle_module = _candidate_name(core, run, spec.bundle_module)
+    if spec.ops_module:
+        out.ops_module = _candidate_name(core, run, spec.ops_module)
+    return out
 
 
-def _module_names(session: "Session", run: str) -> list[str]:
-    """Every module name the run's ranks declared, in the order first produced."""
-    with session.lock:
-        state = session.runs.get(run)
-        if state is None:
-            return []
-        seen: dict[str, None] = {}
-        for rank in sorted(state.ranks):
-            for name in state.ranks[rank].manifest.module_order:
-                seen.setdefault(name, None)
-        return list(seen)
+def _module_names(core: "SessionCore", run: str) -> list[str]:
+    return core.module_names(run)
 
 
-def _mapping(session: "Session", run: str):
-    with session.lock:
-        state = session.runs[run]
-        rank = min(state.ranks) if state.ranks else 0
-        manifest = state.ranks[rank].manifest if state.ranks else None
-        if manifest is None:
-            return session.mappings.user
-        return session.mappings.for_run(run, rank, lambda: {n: t for n, t in manifest.modules.values()},
-                                        len(manifest.modules))
+def _mapping(core: "SessionCore", run: str):
+    state = core.runs[run]
+    rank = min(state.ranks) if state.ranks else 0
+    manifest = state.ranks[rank].manifest if state.ranks else None
+    if manifest is None:
+        return core.mappings.user
+    return core.mappings.for_run(run, rank, lambda: {n: t for n, t in manifest.modules.values()},
+                                 len(manifest.modules))
 
 
-def _candidate_name(session: "Session", run: str, base_name: str) -> str:
+def _candidate_name(core: "SessionCore", run: str, base_name: str) -> str:
     """The run's module its mapping pairs with the baseline's ``base_name`` (the same name when none does)."""
-    mapping = _mapping(session, run)
-    for name in _module_names(session, run):
+    mapping = _mapping(core, run)
+    for name in _module_names(core, run):
         if mapping.to_baseline(name) == base_name:
             return name
     return base_name
 
 
-def _run_module(session: "Session", run: str, base_module: str, found: "Candidate") -> str:
+def _run_module(core: "SessionCore", run: str, base_module: str, found: "Candidate") -> str:
     """The divergent module in ``run``'s own names."""
-    state = session.runs.get(run)
+    state = core.runs.get(run)
     if state is None or state.baseline or state.reference:
         return base_module
     if run == found.comparison.candidate_run and found.row.candidate_name:
         return module_names.module_of(found.row.phase, found.row.candidate_name)
-    return _candidate_name(session, run, base_module)
+    return _candidate_name(core, run, base_module)

@@ -1,7 +1,7 @@
-"""Long runs: loss and global gradient norm against the seeds' acceptance criteria.
+"""Long runs: loss and global gradient norm against porting guides' acceptance criteria.
 
 Single-step alarms suit the first steps; over thousands of steps two correct
-trainings drift apart, so the seeds judge long runs by windowed averages
+trainings drift apart, so porting guides judge long runs by windowed averages
 (MindSpore's migration standard): first loss within 0.005 absolute or 0.5%
 relative; mean loss error below 0.01 absolute or 1% relative; mean relative
 error of the global gradient norm at most 10%.  With a reference rerun the

@@ -5,7 +5,7 @@ determinism off, or in another precision.  Its differences from the baseline
 are the baseline's own run-to-run noise.  Each record's band is the largest
 difference seen so far per metric; a candidate's tolerance becomes a multiple
 of that band, never below a floor (a deterministic rerun gives a band of 0).
-This is the seeds' long-run prescription applied per module: the port passes
+This is porting guides' long-run method applied per module: the port passes
 where it stays within the baseline's own band.
 """
 

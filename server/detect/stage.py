@@ -1,6 +1,6 @@
 """Say in words which stage of training a first divergence points at.
 
-Follows the seed workflow: step-0 forward differs -> forward; forward matches,
+Follows the order porting guides align a training in: step-0 forward differs -> forward; forward matches,
 output or parameter gradients differ -> backward; forward and gradients match,
 parameters after the update differ -> optimizer; weights matched after step
 k-1 but step k's very first module differs -> data.  A named record

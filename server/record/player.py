@@ -96,7 +96,7 @@ class _RankPlayer:
         self.rank = rank
         self.streams = frozenset(streams)
         self.conn = Connection(f"recording:{owner.path.name}:{owner.run.name}:{rank}",
-                               self.session.config.window_bytes)
+                               self.session.config.window.bytes)
         self.joined = False
         self.closed = False
         self.allowed = -1
@@ -223,9 +223,7 @@ class _RankPlayer:
 
     def _counterpart_joined(self) -> bool:
         """A run to compare with joined on this rank, or none will (every such run has fewer ranks)."""
-        with self.session.lock:
-            others = [run for run in self.session.runs.values() if run.baseline != self.owner.baseline]
-            return any(self.rank in run.ranks or run.world_size <= self.rank for run in others)
+        return self.session.counterpart_joined(self.rank, self.owner.baseline)
 
     def _drain(self) -> None:
         while True:
@@ -257,8 +255,4 @@ class _RankPlayer:
     def _tell(self, message: str) -> None:
         """An error of this session: in its report's errors and to its watchers."""
         logger.error("session %s: %s", self.session.name, message)
-        with self.session.lock:
-            if message not in self.session.errors:
-                self.session.errors.append(message)
-        self.session.events.publish(pb.Event(alert=pb.AlertNotice(level="error", message=message,
-                                                                  kind="recording")), keep=True)
+        self.session.note_error(message, kind="recording")

@@ -1,4 +1,4 @@
-"""What ``serve`` starts for recording and replay (ServerConfig.record, .replay), and stops with the server."""
+"""What ``serve`` starts for recording and replay (ServerConfig.recording.directory, .replay), and stops with the server."""
 
 from __future__ import annotations
 
@@ -41,16 +41,16 @@ class RecordService:
 
 def start(registry: SessionRegistry, config: ServerConfig) -> RecordService | None:
     """Start recording every session and playing the configured recordings; ValueError when one cannot be read."""
-    if not config.record and not config.replay:
+    if not config.recording.directory and not config.recording.replay:
         return None
     recorder = None
-    if config.record:
-        recorder = Recorder(config.record, config.record_budget)
+    if config.recording.directory:
+        recorder = Recorder(config.recording.directory, config.recording.budget_bytes)
         registry.add_session_listener(lambda session: recorder.attach(session, _history(registry, session)))
         logger.info("recording every session in %s (budget %d bytes)", recorder.directory, recorder.budget)
     players = {}
     try:
-        for session, source in config.replay.items():
+        for session, source in config.recording.replay.items():
             players[session] = start_replay(registry, session, source)
             if recorder is not None:
                 recorder.protected.add(players[session].path.resolve())

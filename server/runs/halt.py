@@ -6,8 +6,9 @@ every rank is told to halt one step past the furthest, so none is left waiting
 in a collective.  Answers are awaited on a thread of its own, never under the
 session's lock, and for at most ``prepare_timeout`` seconds.
 
-With several candidates, a candidate can be halted alone (:meth:`HaltCoordinator.halt_one_run`):
-the baseline keeps going for the candidates still within tolerance.
+With several candidates, a candidate can be halted alone (:meth:`HaltState.halt_one`, then
+:meth:`HaltCoordinator.halt_one_run`): the baseline keeps going for the candidates still within
+tolerance.  :class:`HaltState` is what the session remembers; :class:`HaltCoordinator` does the telling.
 """
 
 from __future__ import annotations
@@ -28,60 +29,67 @@ def halt_command(at_step: int, reason: str) -> pb.ServerMessage:
     return pb.ServerMessage(command=pb.Command(kind=pb.Command.HALT, reason=reason, at_step=at_step))
 
 
-class HaltCoordinator:
-    """The halt of one session: whether it happened, why, and the two-phase halt of multi-rank runs."""
+class HaltState:
+    """Whether the session halted and why, and the runs halted alone: state only (the session core's)."""
 
-    def __init__(self, session: str, prepare_timeout: float, announce: Callable[[pb.HaltNotice], None]) -> None:
-        self.session = session
-        self.prepare_timeout = prepare_timeout
+    def __init__(self) -> None:
         self.halted = False
         self.reason = ""
-        self._announce = announce
-        self._ids = itertools.count(1)
-        self._cond = threading.Condition()
-        self._acks: dict[int, dict[int, int]] = {}
         self.runs_halted: dict[str, str] = {}
         """Runs halted alone, each with its reason (the session's other runs went on)."""
 
     def reason_for(self, run: str) -> str | None:
         """Why a stream of ``run`` that joins now must halt at once; None when it may go on."""
-        with self._cond:
-            if self.halted:
-                return self.reason
-            return self.runs_halted.get(run)
-
-    def halt_one_run(self, run: str, world_size: int, conns: list[Connection], reason: str) -> bool:
-        """Halt one run and not the session; False when it (or the session) already was."""
-        with self._cond:
-            if self.halted or run in self.runs_halted:
-                return False
-            self.runs_halted[run] = reason
-        logger.warning("session %s: halting run %r (the other runs go on): %s", self.session, run, reason)
-        if conns:
-            self._halt_run(run, world_size, conns, reason, None)
-        return True
+        if self.halted:
+            return self.reason
+        return self.runs_halted.get(run)
 
     def start(self, reason: str) -> bool:
         """Mark the session halted; False when it already was (a halt happens once)."""
-        with self._cond:
-            if self.halted:
-                return False
-            self.halted, self.reason = True, reason
-            return True
+        if self.halted:
+            return False
+        self.halted, self.reason = True, reason
+        return True
 
-    def halt_runs(self, plan: list[tuple[str, int, list[Connection]]], at_step: int | None = None) -> list[str]:
+    def halt_one(self, run: str, reason: str) -> bool:
+        """Mark one run halted and not the session; False when it (or the session) already was."""
+        if self.halted or run in self.runs_halted:
+            return False
+        self.runs_halted[run] = reason
+        return True
+
+
+class HaltCoordinator:
+    """Telling runs to halt: at once for a run of one process, in two phases for a run of several ranks."""
+
+    def __init__(self, session: str, prepare_timeout: float, announce: Callable[[pb.HaltNotice], None]) -> None:
+        self.session = session
+        self.prepare_timeout = prepare_timeout
+        self._announce = announce
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._acks: dict[int, dict[int, int]] = {}
+
+    def halt_one_run(self, run: str, world_size: int, conns: list[Connection], reason: str) -> None:
+        """Halt one run's streams (the session decided it halts alone)."""
+        logger.warning("session %s: halting run %r (the other runs go on): %s", self.session, run, reason)
+        if conns:
+            self._halt_run(run, world_size, conns, reason, None)
+
+    def halt_runs(self, plan: list[tuple[str, int, list[Connection]]], reason: str,
+                  at_step: int | None = None) -> list[str]:
         """Send HALT to every open stream of (run, world size, streams); returns the runs told.
 
         ``at_step``: a step already chosen ahead of every rank (twinstep.server.control): every
         stream is told to stop there, with no question asked.
         """
-        logger.warning("session %s: halting all runs: %s", self.session, self.reason)
+        logger.warning("session %s: halting all runs: %s", self.session, reason)
         told = []
         for run, world_size, conns in plan:
             if not conns:
                 continue
             told.append(run)
-            self._halt_run(run, world_size, conns, self.reason, at_step)
+            self._halt_run(run, world_size, conns, reason, at_step)
         return told
 
     def _halt_run(self, run: str, world_size: int, conns: list[Connection], reason: str, at_step: int | None) -> None:

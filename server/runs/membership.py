@@ -170,8 +170,13 @@ class Membership:
     def all_ended(self) -> bool:
         return bool(self.runs) and all(run.ended for run in self.runs.values())
 
-    def join(self, conn: Connection, hello: pb.Hello, precision: str) -> RankState:
-        """Admit a stream as one rank of a run (a new run, or a rank joining or reconnecting)."""
+    def join(self, conn: Connection, hello: pb.Hello, precision: str,
+             now: float | None = None) -> tuple[RankState, Connection | None]:
+        """Admit a stream as one rank of a run (a new run, or a rank joining or reconnecting).
+
+        Returns the rank's state and the stream this one replaced, still open: the caller ends it
+        (a reconnect whose old stream is not yet known dead: the newest wins).
+        """
         run = self.runs.get(hello.run)
         if hello.baseline and self.baseline not in (None, hello.run):
             raise InputError(
@@ -203,13 +208,14 @@ class Membership:
         if hello.rank == 0:
             run.share_weights = hello.share_weights
         rank_state = run.ranks.get(hello.rank)
+        replaced = None
         if rank_state is None:
             rank_state = run.ranks[hello.rank] = RankState()
         elif rank_state.connection is not None and rank_state.connection is not conn:
-            rank_state.connection.finish()  # a reconnect whose old stream is not yet known dead: the newest wins
+            replaced = rank_state.connection
         rank_state.connection = conn
         rank_state.state = "streaming"
-        rank_state.last_heard = time.monotonic()
+        rank_state.last_heard = time.monotonic() if now is None else now
         rank_state.silent_for = -1.0
         rank_state.awaiting_return = False
         rank_state.manifest = Manifest()  # a reconnecting client resends its manifest in full
@@ -217,7 +223,7 @@ class Membership:
         rank_state.environment = {k[:64]: v[:MAX_TEXT] for k, v in list(hello.environment.items())[:_MAX_ENVIRONMENT]}
         rank_state.weight_sync = _bounded_weight_sync(hello)
         conn.session, conn.run, conn.rank = self.session, hello.run, hello.rank
-        return rank_state
+        return rank_state, replaced
 
     def rank_of(self, conn: Connection) -> RankState:
         """The rank a joined stream speaks for (refused when the stream never joined or was replaced)."""
@@ -227,7 +233,7 @@ class Membership:
             raise InputError(grpc.StatusCode.FAILED_PRECONDITION, "stream is not joined (send Hello first)")
         return state
 
-    def leave(self, conn: Connection) -> RunState | None:
+    def leave(self, conn: Connection, now: float | None = None) -> RunState | None:
         """The stream ended; returns its run when this stream was the rank's current one."""
         run = self.runs.get(conn.run or "")
         if run is None:
@@ -238,7 +244,7 @@ class Membership:
         rank_state.connection = None
         if not conn.closed_cleanly:
             rank_state.state = "lost"
-            rank_state.silent_for = time.monotonic() - rank_state.last_heard
+            rank_state.silent_for = (time.monotonic() if now is None else now) - rank_state.last_heard
         return run
 
     def close(self, conn: Connection, message: pb.Close) -> None:

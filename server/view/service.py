@@ -130,9 +130,8 @@ class ViewService:
             if report is None:
                 return None
         else:
-            with session.lock:  # one consistent moment: the report's snapshot and the history
-                snapshot = session.snapshot(long_run=False)  # kept reports have the long-run criteria
-                history = session.history.copy()
+            # One consistent moment; no long-run criteria (kept reports have them).
+            snapshot, history = session.snapshot_and_history()
             report = build_report(snapshot)
         with self._lock:
             meter = self._rates.setdefault(name, _RateMeter())

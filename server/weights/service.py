@@ -42,7 +42,7 @@ class WeightExchange:
     def __init__(self, registry: SessionRegistry, auth: Authorizer) -> None:
         self.registry = registry
         self.auth = auth
-        self.store = WeightStore(registry.config.weights_budget_bytes)
+        self.store = WeightStore(registry.config.sync.weights_budget_bytes)
 
     # -- the baseline's upload ---------------------------------------------------------------
 
@@ -64,9 +64,9 @@ class WeightExchange:
             session = self.registry.get_or_create(header.session)
         except InputError as error:
             context.abort(error.code, error.message)
-        with session.lock:
-            run = session.runs.get(header.run)
-            refused = (run is not None and not run.baseline) or session.baseline not in (None, header.run)
+        roles = session.run_roles()
+        baseline = next((name for name, role in roles.items() if role == "baseline"), None)
+        refused = roles.get(header.run, "baseline") != "baseline" or baseline not in (None, header.run)
         if refused:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run!r} is not the baseline of session "
                           f"{header.session!r}: only the baseline shares its weights")
@@ -138,13 +138,7 @@ class WeightExchange:
         deadline = time.monotonic() + min(_MAX_WAIT, remaining if remaining is not None else _MAX_WAIT)
         while context.is_active():
             session = self.registry.get(request.session)
-            declined = ""
-            if session is not None:
-                with session.lock:
-                    base = session.runs.get(session.baseline or "")
-                    # Rank 0 shares (a data-parallel run's ranks hold the same values): its Hello decides.
-                    if base is not None and 0 in base.ranks and not base.share_weights:
-                        declined = base.name
+            declined = session.weights_declined_by() if session is not None else ""
             if declined:
                 self.store.forget(request.session)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,9 +1,16 @@
 """Run the whole test suite in every supported environment: the README's test command and CI's.
 
     python3 tests/envs/run.py                  every leg, each with its tests (below)
+    python3 tests/envs/run.py --quick          the quick loop while developing: the latest leg's unit
+                                               tier and the integration tests marked quick (2 to 3 minutes)
     python3 tests/envs/run.py --legs latest    some legs only
     python3 tests/envs/run.py --tiers unit     some tiers only (unit, integration, ports)
     python3 tests/envs/run.py -- -x -k halt    extra pytest arguments for every leg
+    python3 tests/envs/run.py --list           which legs run each integration module, and why
+
+A leg runs the unit tier, its integration modules (the table INTEGRATION in this
+file) and the real ports where it has them: a leg exists to prove versions, so a
+test runs again only in the legs whose versions it exercises.
 
 Each leg is a virtual environment built by ``tests/envs/build.sh LEG`` from the
 pinned versions in ``tests/envs/LEG.txt`` (rebuilt only when those change).
@@ -35,6 +42,104 @@ ROOT = HERE.parent.parent
 #: real ports (Hugging Face transformers vs paddleformers).
 TIERS = {"unit": "tests/unit_tests", "integration": "tests/integration", "ports": "tests/ports"}
 
+#: What differs between the legs (tests/envs/LEG.txt), so what a test can prove by running in more than one:
+#:   torch, paddle   oldest 2.4.1, 3.0.0; latest, paddleformers and newest-python 2.13, 3.3.1
+#:   numpy           oldest 1.26.0, paddleformers 1.26.4, latest 2.4, newest-python 2.5
+#:   Python          oldest 3.10, latest and paddleformers 3.11, newest-python 3.13
+#:   MindSpore       paddleformers 2.10, oldest 2.7 (its wheels need numpy 1.x; none elsewhere)
+#:   grpcio/protobuf oldest 1.85.1/7.35.1, the others 1.85.3/7.36.2
+#: The unit tier runs in every leg (about a minute: in-process servers over real gRPC, reconnects, the journal,
+#: every codec and kernel), so an integration module runs again only where the versions it exercises differ.
+EVERY = ("latest", "paddleformers", "oldest", "newest-python")
+VERSIONS = ("latest", "oldest", "newest-python")
+"""Both ends of torch's and paddle's ranges, and of numpy's and Python's."""
+FRAMEWORKS = ("latest", "oldest")
+"""Both ends of torch's and paddle's ranges."""
+MINDSPORE = ("paddleformers", "oldest")
+ONCE = ("latest",)
+"""Code that does not vary with any version the legs differ in: run once."""
+
+
+@dataclass(frozen=True)
+class Row:
+    legs: tuple[str, ...]
+    why: str
+    quick: bool = False
+    """Also in the quick loop (--quick): the unit tier and these, 2 to 3 minutes on two cores."""
+
+
+#: Which legs run each integration module, and why: the one place that says it (a unit test checks that every
+#: module of tests/integration has its row).  A key is a file of tests/integration, or a test of one.
+INTEGRATION: dict[str, Row] = {
+    # The pair every user runs: each leg's torch, paddle, numpy and Python, end to end, in every capture mode.
+    "test_end_to_end.py": Row(EVERY, "the demo pair (torch, paddle) in stats, tensor, lossy and sketch capture; a halt",
+                              quick=True),
+    "test_compare_inprocess.py": Row(EVERY, "twinstep.compare: a torch model and its paddle port in one process",
+                                     quick=True),
+    # Python's and numpy's ends too.
+    "test_sender_process.py": Row(VERSIONS, "a sender process over shared memory: Python's multiprocessing, numpy"),
+    "test_zero_code.py": Row(VERSIONS, "`twinstep run`: a sitecustomize bootstrap (Python's) and import hooks into "
+                             "torch and paddle"),
+    "test_weight_sync.py": Row(VERSIONS, "weights converted between torch's and paddle's layouts"),
+    # torch's and paddle's APIs beyond the demo's: their ends.
+    "test_capture_health.py": Row(FRAMEWORKS, "capture that fails inside a framework's hooks", quick=True),
+    "test_multirank_and_failures.py": Row(FRAMEWORKS, "torch.distributed ranks halted at one step; trainings "
+                                          "that outlive their server"),
+    "test_zoom.py": Row(FRAMEWORKS, "full tensors of one module on request, across ranks"),
+    "test_reproduce.py": Row(FRAMEWORKS, "reproducer bundles: a framework's module pickled and replayed"),
+    "test_records_and_batches.py": Row(FRAMEWORKS, "named records and batch sync through each framework"),
+    "test_preflight.py": Row(FRAMEWORKS, "optimizer set-ups read from torch and paddle", quick=True),
+    "test_operations.py": Row(FRAMEWORKS, "operations inside a module, traced in each framework"),
+    "test_three_way.py": Row(FRAMEWORKS, "several candidates, MindSpore's among them where installed", quick=True),
+    "test_mindspore_demo.py": Row(MINDSPORE, "the MindSpore port of the demo (skips where MindSpore is not)"),
+    "test_weight_sync_mindspore_demo.py": Row(MINDSPORE, "weights into MindSpore's parameter names"),
+    # The server over raw streams: its code is the same in every leg, but what it parses is protobuf's, whose
+    # lowest version is oldest's (seconds in all).
+    "test_bad_input.py": Row(FRAMEWORKS, "bad input: clear statuses", quick=True),
+    "test_fuzz.py": Row(FRAMEWORKS, "hostile bytes and messages from hypothesis", quick=True),
+    "test_tensor_pieces.py": Row(FRAMEWORKS, "tensors in pieces; malformed pieces refused", quick=True),
+    "test_limits.py": Row(FRAMEWORKS, "limits, memory budget", quick=True),
+    "test_session_status.py": Row(FRAMEWORKS, "a session's verdict once its runs end", quick=True),
+    "test_server_policies.py": Row(FRAMEWORKS, "renamed modules, bounded windows, late joiners", quick=True),
+    "test_mapping_resolution.py": Row(FRAMEWORKS, "the mapping a candidate is compared with", quick=True),
+    "test_watch.py": Row(FRAMEWORKS, "watching a session before it exists", quick=True),
+    # Once: faults, load and restarts of the server (grpcio's reconnects and sqlite3 are the unit tier's in every
+    # leg), and the user-facing surfaces (command line, docs, alerts, dashboard), none of which varies with a
+    # framework's version.  Their unit tests run everywhere.
+    "test_chaos.py": Row(ONCE, "links cut, delayed and held; processes killed and stopped"),
+    "test_load.py": Row(ONCE, "64 streams against one server process"),
+    "test_durable_sessions.py": Row(ONCE, "a server killed mid-run and restarted on its journal"),
+    "test_record_replay.py": Row(ONCE, "record and replay across server processes"),
+    "test_security.py": Row(ONCE, "TLS, mutual TLS and tokens"),
+    "test_coverage.py": Row(ONCE, "gaps named and coverage said: the server's bookkeeping, the client's queue"),
+    "test_cli.py": Row(ONCE, "the command line against a server process"),
+    "test_alerts.py": Row(ONCE, "Prometheus, webhooks, the terminal watch"),
+    "test_dashboard.py": Row(ONCE, "the dashboard in a headless Chromium"),
+    "test_docs.py": Row(ONCE, "the docs pages' examples and command lines"),
+    # The MindSpore page's examples need MindSpore, which latest lacks.
+    "test_docs.py::test_python_examples_run[mindspore]": Row(("paddleformers",), "docs/mindspore.md's examples"),
+    "test_docs.py::test_command_lines_parse[mindspore]": Row(("paddleformers",), "docs/mindspore.md's commands"),
+}
+
+
+def table() -> str:
+    """INTEGRATION as text: per module, a column per leg (x: runs there, q: and in the quick loop), and why."""
+    names = [leg.name for leg in LEGS]
+    width = max(map(len, INTEGRATION))
+    lines = [f"{'tests/integration/':<{width}}  " + "  ".join(names) + "  why"]
+    for key, row in INTEGRATION.items():
+        marks = "  ".join(f"{(('q' if row.quick else 'x') if name in row.legs else '.'):^{len(name)}}"
+                          for name in names)
+        lines.append(f"{key:<{width}}  {marks}  {row.why}")
+    lines.append("x: runs in that leg; q: and in the quick loop (--quick); every leg runs the whole unit tier")
+    return "\n".join(lines)
+
+
+def integration(leg: str, quick: bool = False) -> tuple[str, ...]:
+    """The integration tier's pytest arguments for ``leg``: its files and tests of INTEGRATION, in table order."""
+    return tuple(f"{TIERS['integration']}/{key}" for key, row in INTEGRATION.items()
+                 if leg in row.legs and (row.quick or not quick))
+
 
 @dataclass(frozen=True)
 class Leg:
@@ -42,66 +147,32 @@ class Leg:
     what: str
     """What the leg proves."""
     tiers: tuple[tuple[str, tuple[str, ...]], ...]
-    """(tier, extra pytest arguments selecting within it), in the order they run."""
+    """(tier, pytest arguments: what to run of it), in the order they run."""
     disk_gb: float
     """Free disk its build needs: the environment plus pip's downloads, which sit beside it until installed
     (measured sizes: latest 2.3 GB, paddleformers 5.5, oldest 8.4 and newest-python 5.8, the last two with
     torch's CUDA wheels from PyPI)."""
 
 
-#: Issue 16's user-facing surfaces whose code does not vary with numpy, torch or paddle versions run
-#: in the latest leg only: the dashboard in a real browser, the docs pages' examples (transformers'
-#: and paddleformers' Trainers among them) and the alert paths beyond their unit tests (about 75 s a
-#: leg).  Their unit tests run in every leg.
-_LATEST_ONLY = ("--ignore=tests/integration/test_dashboard.py", "--ignore=tests/integration/test_docs.py",
-                "--ignore=tests/integration/test_alerts.py")
-#: Issue 17's end-to-end tests (zoom across ranks, reproducer bundles, named records and batch sync) and
-#: `twinstep run` under the launchers depend on torch's and paddle's versions, whose extremes are the
-#: latest and oldest legs; the paddleformers leg differs from those by numpy 1.26.4 and paddleformers'
-#: dependencies only, newest-python by Python 3.13 (which keeps `twinstep run`: its bootstrap is a
-#: sitecustomize, Python's own business).  Their unit tests run in every leg.  About 40 s a leg.
-_EXTREMES_ONLY = ("--ignore=tests/integration/test_zoom.py", "--ignore=tests/integration/test_reproduce.py",
-                  "--ignore=tests/integration/test_records_and_batches.py",
-                  # issue 18 and 19's end-to-end tests on torch and paddle (preflight, a module's operations,
-                  # three-way sessions): the same reasoning, about 90 s a leg
-                  "--ignore=tests/integration/test_preflight.py", "--ignore=tests/integration/test_operations.py",
-                  "--ignore=tests/integration/test_three_way.py")
-_ALL = (("unit", ()), ("integration", _LATEST_ONLY))
-#: The fault and load tests check the server, whose code is the same in every leg; they run where the
-#: lowest and the newest grpcio and protobuf are (oldest, latest), not again where only numpy,
-#: paddleformers or Python differ (about 3 minutes a leg: chaos, load, record and replay, and the server killed mid-run;
-#: the journal's in-process tests run everywhere, sqlite3 comes with each Python).
-_NO_FAULTS_ARGS = ("--ignore=tests/integration/test_chaos.py", "--ignore=tests/integration/test_load.py",
-                  # recordings are the server's files: as the journal, lowest and newest grpcio/protobuf
-                  # (their unit tests run everywhere)
-                  "--ignore=tests/integration/test_record_replay.py", *_LATEST_ONLY, *_EXTREMES_ONLY)
-#: The server's edge behaviours (bad input and fuzzing, limits, TLS and tokens, policies, session status, the
-#: journal across restarts): server code, the same in every leg, over grpcio, protobuf and sqlite3, whose lowest
-#: and newest versions are in oldest and latest; not again where only numpy, paddleformers or Python differ
-#: (about 70 s a leg; their unit tests run everywhere).
-_SERVER_EDGE = tuple(f"--ignore=tests/integration/test_{name}.py" for name in (
-    "bad_input", "fuzz", "limits", "security", "server_policies", "session_status", "durable_sessions"))
-#: MindSpore (issue 19) is installed in the two numpy-1.x legs only (its wheels need numpy 1.x): paddleformers
-#: (MindSpore 2.10) and oldest (2.7).  The paddleformers leg also runs the MindSpore docs page, which the
-#: latest leg, where every other page runs, skips for want of MindSpore.
-_MINDSPORE_DOCS_TOO = ("-k", "not test_docs or mindspore")
-_NO_FAULTS = (("unit", ()), ("integration", (*_NO_FAULTS_ARGS, *_SERVER_EDGE)))
+def _tiers(leg: str, ports: tuple[str, ...] | None = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The unit tier, the leg's integration modules, and the ports (``ports``: pytest arguments) where it has them."""
+    tiers = (("unit", (TIERS["unit"],)), ("integration", integration(leg)))
+    return tiers if ports is None else (*tiers, ("ports", (TIERS["ports"], *ports)))
 
-#: In the order they run.  Why each runs what it runs: README, "Supported environments".
+
+#: In the order they run.  Why each runs what it runs: docs/testing.md, "Legs", and INTEGRATION above.
 LEGS = (
     Leg("latest", "numpy 2.x, torch 2.13, paddle 3.3.1, the real-port test bed (paddleformers without its pins)",
-        (("unit", ()), ("integration", ()), ("ports", ())), 4),
-    Leg("paddleformers", "paddleformers installed the ordinary way: numpy 1.26.4, real ports faithful and buggy",
-        # Every model faithful, every bug of the corpus on Phi3: the code paths of all three models, in a third
-        # of the time; both libraries' Trainers with twinstep's callbacks, with paddleformers' own dependencies;
-        # and the MindSpore port (MindSpore needs numpy 1.x: this leg and oldest have it, oldest has no ports).
-        (("unit", ()),
-         ("integration", (*[a for a in _NO_FAULTS_ARGS if a != "--ignore=tests/integration/test_docs.py"],
-                          "--ignore=tests/integration/test_zero_code.py", *_SERVER_EDGE, *_MINDSPORE_DOCS_TOO)),
-         ("ports", ("-k", "faithful or phi3 or trainer or mindspore"))), 8),
+        _tiers("latest", ports=()), 4),
+    # Of the ports: every model faithful (the code paths of all three models with paddleformers' own dependencies),
+    # both libraries' Trainers with twinstep's callbacks, and the MindSpore port with its bugs and its benchmark
+    # twin (MindSpore needs numpy 1.x: this leg and oldest have it, oldest has no ports).  The torch/paddle bug
+    # corpus runs in latest: the same model code, its bugs found by the same server.
+    Leg("paddleformers", "paddleformers installed the ordinary way: numpy 1.26.4, real ports, MindSpore 2.10",
+        _tiers("paddleformers", ports=("-k", "faithful or trainer or mindspore or ms_phi3")), 8),
     Leg("oldest", "the lowest supported versions: Python 3.10, numpy 1.26.0, torch 2.4.1, paddle 3.0.0, grpcio 1.85.1",
-        _ALL, 13),
-    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", _NO_FAULTS, 10),
+        _tiers("oldest"), 13),
+    Leg("newest-python", "Python 3.13 with numpy 2.5, torch 2.13, paddle 3.3.1", _tiers("newest-python"), 10),
 )
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
@@ -202,13 +273,27 @@ def _counts(output: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--legs", default=",".join(leg.name for leg in LEGS),
-                        help="comma-separated legs (default: all): " + ", ".join(leg.name for leg in LEGS))
-    parser.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tiers (default: all): "
-                        + ", ".join(TIERS))
+    summary, _, usage = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=usage,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="the quick loop: the unit tier and the integration tests marked quick, in the latest leg "
+                             "(or those --legs names); 2 to 3 minutes")
+    parser.add_argument("--legs", default=None,
+                        help="comma-separated legs (default: all; latest with --quick): "
+                             + ", ".join(leg.name for leg in LEGS))
+    parser.add_argument("--tiers", default=None, help="comma-separated tiers (default: all; unit,integration with "
+                        "--quick): " + ", ".join(TIERS))
+    parser.add_argument("--list", action="store_true", help="print which legs run each integration module, and why")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every leg")
     args = parser.parse_args(argv)
+    if args.list:
+        print(table())
+        return 0
+    if args.legs is None:
+        args.legs = "latest" if args.quick else ",".join(leg.name for leg in LEGS)
+    if args.tiers is None:
+        args.tiers = "unit,integration" if args.quick else ",".join(TIERS)
     tiers = args.tiers.split(",")
     if set(tiers) - set(TIERS):
         parser.error(f"unknown tier(s) {', '.join(sorted(set(tiers) - set(TIERS)))}")
@@ -257,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         for tier, selection in [(t, sel) for t, sel in leg.tiers if t in tiers]:
             if tier == "integration":
                 _wait_for_browser(browser, started)
-            command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", TIERS[tier], *selection,
-                       *args.pytest_args]
+                if args.quick:
+                    selection = integration(leg.name, quick=True)
+            command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", *selection, *args.pytest_args]
             print(f"== leg {leg.name}, tier {tier}: {' '.join(command[1:])}", flush=True)
             tests_started = time.monotonic()
             result = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

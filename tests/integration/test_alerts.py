@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, Job, wait_for
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import AlertsConfig, HaltConfig, SessionsConfig
 from twinstep.server.alert.prometheus import collect_text
 from twinstep.server.alert.webhook_config import WebhookConfig
 
@@ -158,7 +159,7 @@ def world(tmp_path_factory):
     finally:
         del os.environ[TOKEN_ENV]
     # http_port: the dashboard's listener, which serves /metrics (as `twinstep serve --http-port`).
-    handle = serve(port=0, config=ServerConfig(halt_on_divergence=True, reconnect_grace=0.5, webhooks=webhooks),
+    handle = serve(port=0, config=ServerConfig(halt=HaltConfig(on_divergence=True), sessions=SessionsConfig(reconnect_grace=0.5), alerts=AlertsConfig(webhooks=webhooks)),
                    http_port=0)
     metrics_url = handle.http_url + "metrics"
 

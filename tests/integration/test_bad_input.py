@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, pieces, step, step_with_pieces
 from twinstep.server import ServerConfig
+from twinstep.server.config import LimitsConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
 X = np.linspace(-1.0, 1.0, 24, dtype=np.float32).reshape(2, 3, 4)
@@ -125,7 +126,7 @@ def test_nan_and_inf_are_a_divergence(server):
     assert (first["module"], first["metric"], first["value"]) == ("act", "nonfinite", 2.0)
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(max_message_bytes=1 << 20)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(limits=LimitsConfig(max_message_bytes=1 << 20))}], indirect=True)
 def test_oversized_message_is_refused(server):
     stream = joined(server.address, "big", "base", True)
     noise = np.random.default_rng(0).random(600_000, dtype=np.float32)  # incompressible: 2.4 MB on the wire

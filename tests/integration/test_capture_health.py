@@ -77,7 +77,7 @@ def test_a_module_whose_output_cannot_be_read_is_named_and_the_session_ends_inco
     assert runs["torch"]["capture_health"] == []
 
     # The watch stream named it as it happened, once, and told the verdict when the runs ended.
-    wait_for(lambda: any("every run has ended" in line for line in watcher.lines), timeout=10)
+    wait_for(lambda: any("every run has ended" in line for line in watcher.lines))
     watcher.close()
     alerts = [line for line in watcher.lines
               if "WARNING" in line and "'spectrum'" in line and "every run has ended" not in line]

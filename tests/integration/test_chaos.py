@@ -28,14 +28,22 @@ from tests.conftest import Job, JobResult, last_step, run_status, wait_for
 from tests.integration.tcp_proxy import TcpProxy
 from tests.integration.test_capture_health import Watcher
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import WindowConfig
 
-pytestmark = pytest.mark.timeout(120)  # a hung scenario fails here, not at the suite's timeout
+pytestmark = pytest.mark.timeout(240)  # a hung scenario fails here, not at the suite's timeout
 
 STEPS = 50
 STEP_DELAY = "0.08"  # seconds per step: the runs last long enough for faults to land mid-run
 CUT_STEP_DELAY = "0.2"  # slower still where each fault waits for a reconnection (0.5 s backoff and more)
 CUT_MARGIN = 15
 BASE, CAND = "torch", "paddle"
+LEAD = 12
+"""Where faults must strike mid-run (links held or cut), the pair trains in lockstep: neither leads the other by
+more than this many steps while both are connected.  Whichever job starts or trains faster on a busy machine,
+neither reaches its end while the other is held or still early, and a held run can catch up and overtake."""
+STEP_ON_THE_WIRE = 4096
+"""Bytes that mean a step is on the wire: one step of the demo's statistics takes about 9.3 KB, HTTP/2's own
+frames (window updates, pings) tens of bytes."""
 RECORD_BYTES = 128
 """Bound on what one statistics record takes in the server's window (about 61 bytes measured: 9.3 KB a step)."""
 MAX_LEAD = 30
@@ -81,7 +89,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[st
             tmp = tmp_path_factory.mktemp(session)
             base = Job(tmp, "torch", server=handle.address, session=session, run=BASE, baseline=True, steps=STEPS)
             cand = Job(tmp, "paddle", server=handle.address, session=session, run=CAND, steps=STEPS, bug=bug)
-            for result in (base.wait(timeout=90), cand.wait(timeout=90)):
+            for result in (base.wait(), cand.wait()):
                 assert result.returncode == 0, result.output
             runs = {r.name: r for r in handle.report_proto(session).runs}
             assert {r.state for r in runs.values()} == {"finished"}, runs
@@ -96,15 +104,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[st
 
 
 def start_pair(jobs: Callable[..., Job], base_address: str, cand_address: str, session: str, *,
-               bug: str | None = None, delay: str = STEP_DELAY) -> tuple[Job, Job]:
-    """The demo pair, each job sending to its own address (a proxy), slowed to ``delay`` s a step."""
-    extra = ["--step-delay", delay]
+               bug: str | None = None, delay: str = STEP_DELAY, lockstep: int = 0) -> tuple[Job, Job]:
+    """The demo pair, each job sending to its own address (a proxy), slowed to ``delay`` s a step;
+    ``lockstep``: neither leads the other by more than that many steps (0: free)."""
+    extra = ["--step-delay", delay, *(["--lockstep", str(lockstep)] if lockstep else [])]
     base = jobs("torch", server=base_address, session=session, run=BASE, baseline=True, steps=STEPS, extra=extra)
     cand = jobs("paddle", server=cand_address, session=session, run=CAND, steps=STEPS, bug=bug, extra=extra)
     return base, cand
 
 
-def finished(job: Job, timeout: float = 90) -> JobResult:
+def finished(job: Job, timeout: float = 150) -> JobResult:
     """The job's result, which must be a training that ran every step and exited 0."""
     result = job.wait(timeout=timeout)
     assert result.returncode == 0, result.output
@@ -116,7 +125,7 @@ def records(server, session: str) -> dict[str, int]:
     return {r.name: r.records_received for r in server.report_proto(session).runs}
 
 
-def wait_ended(server, session: str, timeout: float = 20) -> None:
+def wait_ended(server, session: str, timeout: float = 60) -> None:
     """Until the server knows every run ended (a job's exit can precede the server reading its goodbye)."""
     wait_for(lambda: (runs := server.report_proto(session).runs) and all(r.state != "streaming" for r in runs),
              timeout=timeout)
@@ -130,14 +139,14 @@ def cut_mid_run(server, session: str, links: dict[str, TcpProxy], times: int,
     connections are refused after that cut.  Returns the cuts made."""
     mark = {run: 1 for run in links}
     for cut in range(times):
-        wait_for(partial(back_on_line, server, session, links, mark), timeout=30)
+        wait_for(partial(back_on_line, server, session, links, mark))
         now = {run: last_step(server, session, run) for run in links}
         if max(now.values()) >= STEPS - CUT_MARGIN:
             return cut
         for run, link in links.items():
             assert link.cut(refuse_for=refuse_for(cut, run)) == 1, run
         mark = {run: step + 1 for run, step in now.items()}
-    wait_for(partial(back_on_line, server, session, links, mark), timeout=30)  # well before the end
+    wait_for(partial(back_on_line, server, session, links, mark))  # well before the end
     return times
 
 
@@ -205,7 +214,8 @@ def test_cut_links_reconnect_and_lose_no_record(server, jobs, reference):
     ref, session = reference(None), "cuts"
     with TcpProxy(server.address) as base_link, TcpProxy(server.address) as cand_link, \
             Sampler(server, session) as sampler:
-        base, cand = start_pair(jobs, base_link.address, cand_link.address, session, delay=CUT_STEP_DELAY)
+        base, cand = start_pair(jobs, base_link.address, cand_link.address, session, delay=CUT_STEP_DELAY,
+                                lockstep=LEAD)
         links = {BASE: base_link, CAND: cand_link}
         # The second cut refuses both for a while, the candidate longer: the baseline runs ahead meanwhile.
         refuse = {(1, BASE): 0.7, (1, CAND): 1.5}
@@ -228,10 +238,10 @@ def test_a_slow_link_changes_nothing(server, jobs, reference):
             Sampler(server, session, cand_link) as sampler:
         cand_link.set_delay(0.15)
         base, cand = start_pair(jobs, base_link.address, cand_link.address, session)
-        wait_for(lambda: last_step(server, session, CAND) >= 10, timeout=40)
+        wait_for(lambda: last_step(server, session, CAND) >= 10)
         cand_link.set_delay(0.05, "up")
         cand_link.set_delay(0.2, "down")
-        wait_for(lambda: last_step(server, session, CAND) >= 30, timeout=40)
+        wait_for(lambda: last_step(server, session, CAND) >= 30)
         cand_link.set_delay(0.2, "up")
         finished(base)
         cand_result = finished(cand)
@@ -244,14 +254,30 @@ def test_a_slow_link_changes_nothing(server, jobs, reference):
 
 def test_one_runs_steps_held_back_arrive_after_the_others_later_steps(server, jobs, reference):
     """The candidate's bytes are held while the baseline runs ahead, then the baseline's while the candidate
-    catches up: each side's steps wait in the server's window for the other's, and all are compared."""
+    catches up and overtakes it: each side's steps wait in the server's window for the other's, and all are
+    compared."""
     ref, session = reference(None), "reorder"
     with TcpProxy(server.address) as base_link, TcpProxy(server.address) as cand_link, \
             Sampler(server, session) as sampler:
-        base, cand = start_pair(jobs, base_link.address, cand_link.address, session)
-        wait_for(lambda: min(last_step(server, session, BASE), last_step(server, session, CAND)) >= 3, timeout=40)
-        hold_back(server, session, cand_link, CAND, BASE)
-        hold_back(server, session, base_link, BASE, CAND)
+        base, cand = start_pair(jobs, base_link.address, cand_link.address, session, lockstep=LEAD)
+        wait_for(lambda: min(last_step(server, session, BASE), last_step(server, session, CAND)) >= 3)
+        cand_link.hold()
+        cand_frozen = last_step(server, session, CAND)
+        assert cand_frozen + LEAD + 8 < STEPS, f"the candidate was at step {cand_frozen} before it was held"
+        # The baseline's later steps reach the server first, and wait there for the candidate's.
+        wait_for(lambda: last_step(server, session, BASE) >= cand_frozen + 8)
+        # Now the baseline's turn: held before the candidate's steps go, so the candidate overtakes it.
+        base_link.hold()
+        base_frozen = last_step(server, session, BASE)
+        assert base_frozen <= cand_frozen + LEAD + 1, (base_frozen, cand_frozen)  # lockstep bounded its lead
+        held_a_step(cand_link)  # the held run kept training: its steps are in the proxy
+        assert last_step(server, session, CAND) <= cand_frozen + 1  # at most the step already on its way
+        cand_link.release()
+        wait_for(lambda: last_step(server, session, CAND) >= base_frozen + 8)
+        held_a_step(base_link)
+        assert last_step(server, session, BASE) <= base_frozen + 1
+        base_link.release()
+        wait_for(lambda: last_step(server, session, BASE) >= base_frozen + 8)
         base_result, cand_result = finished(base), finished(cand)
     wait_ended(server, session)
     assert "lost contact" not in base_result.output + cand_result.output  # held, never cut
@@ -259,17 +285,10 @@ def test_one_runs_steps_held_back_arrive_after_the_others_later_steps(server, jo
     check_same_report(server.report(session), ref, records(server, session))
 
 
-def hold_back(server, session: str, link: TcpProxy, held: str, other: str) -> None:
-    """Hold ``held``'s bytes in its link until ``other`` has delivered 8 later steps, then let them go."""
-    link.hold()
-    frozen = last_step(server, session, held)
-    # The other run's later steps reach the server first, and its steps wait there.
-    wait_for(lambda: last_step(server, session, other) >= frozen + 8, timeout=30)
-    time.sleep(0.3)
-    assert link.buffered_bytes("up") > 0  # the held run kept training: its steps are in the proxy
-    assert last_step(server, session, held) <= frozen + 1  # at most the step already on its way
-    link.release()
-    wait_for(lambda: last_step(server, session, held) >= frozen + 8, timeout=30)
+def held_a_step(link: TcpProxy) -> None:
+    """Until the bytes ``link`` holds back include a step (the candidate's run may train slowly on a busy
+    machine): more than HTTP/2's own frames, which keep flowing while nothing is sent."""
+    wait_for(lambda: link.buffered_bytes("up") >= STEP_ON_THE_WIRE)
 
 
 @pytest.mark.parametrize("server", [DEFAULT_GRACE], indirect=True)
@@ -279,14 +298,16 @@ def test_a_cut_while_held_makes_the_run_resend_and_nothing_counts_twice(server, 
     ref, session = reference(None), "held-cut"
     with TcpProxy(server.address) as base_link, TcpProxy(server.address) as cand_link, \
             Sampler(server, session) as sampler:
-        base, cand = start_pair(jobs, base_link.address, cand_link.address, session)
-        wait_for(lambda: min(last_step(server, session, BASE), last_step(server, session, CAND)) >= 3, timeout=40)
+        base, cand = start_pair(jobs, base_link.address, cand_link.address, session, lockstep=LEAD)
+        wait_for(lambda: min(last_step(server, session, BASE), last_step(server, session, CAND)) >= 3)
         cand_link.hold()
         frozen = last_step(server, session, CAND)
-        wait_for(lambda: last_step(server, session, BASE) >= frozen + 6, timeout=30)
-        wait_for(lambda: cand_link.buffered_bytes("up") > 0, timeout=10)
+        assert frozen + 6 < STEPS, f"the candidate was at step {frozen} before it was held"
+        wait_for(lambda: last_step(server, session, BASE) >= frozen + 6)  # the baseline keeps going
+        held_a_step(cand_link)
         assert cand_link.cut() == 1  # the held steps are gone with the connection
-        time.sleep(1.0)  # its reconnection is held too: the baseline keeps going
+        # Its reconnection is held too (the baseline keeps going) until it is back through the link.
+        wait_for(lambda: cand_link.connections == 1 and cand_link.buffered_bytes("up") > 0)
         cand_link.release()
         finished(base)
         cand_result = finished(cand)
@@ -309,7 +330,7 @@ def test_a_killed_training_is_lost_and_the_other_finishes(server, jobs, referenc
     with TcpProxy(server.address) as base_link, TcpProxy(server.address) as cand_link, \
             Sampler(server, session) as sampler:
         base, cand = start_pair(jobs, base_link.address, cand_link.address, session)
-        wait_for(lambda: last_step(server, session, CAND) >= 10, timeout=40)
+        wait_for(lambda: last_step(server, session, CAND) >= 10)
         cand.process.send_signal(signal.SIGKILL)
         assert cand.process.wait(10) == -signal.SIGKILL
         base_result = finished(base)
@@ -323,7 +344,7 @@ def test_a_killed_training_is_lost_and_the_other_finishes(server, jobs, referenc
     assert any(silence.search(reason) for reason in report.status_reasons), report.status_reasons
     wait_for(lambda: any(f"run '{CAND}' rank 0 is lost after step {killed_at}" in line
                          and re.search(r"\d+\.\d s after its last message", line) for line in watcher.lines),
-             timeout=10)
+             timeout=30)
     watcher.close()
     assert base_result.result["steps_sent"] == STEPS
     # Every delivered record counted once: all of the baseline's, and the candidate's up to its last step.
@@ -335,7 +356,7 @@ def test_a_killed_training_is_lost_and_the_other_finishes(server, jobs, referenc
     assert 0 < sampler.held <= ref.held_bound(), sampler.held
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(window_steps=4)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(window=WindowConfig(steps=4))}], indirect=True)
 def test_a_run_stalled_past_the_window_leaves_the_other_running_and_the_gap_named(server, jobs, reference):
     """The candidate is stopped (SIGSTOP) while the baseline runs its remaining steps, far past a 4-step
     window: the baseline finishes without waiting, the server holds at most its window, and the report
@@ -344,12 +365,12 @@ def test_a_run_stalled_past_the_window_leaves_the_other_running_and_the_gap_name
     with TcpProxy(server.address) as base_link, TcpProxy(server.address) as cand_link, \
             Sampler(server, session) as sampler:
         base, cand = start_pair(jobs, base_link.address, cand_link.address, session)
-        wait_for(lambda: last_step(server, session, CAND) >= 3, timeout=40)
+        wait_for(lambda: last_step(server, session, CAND) >= 3)
         os.kill(cand.process.pid, signal.SIGSTOP)
         try:
             stalled_at = last_step(server, session, CAND)
-            base_result = finished(base, timeout=60)  # fail-open: it never waits for the stalled run
-            wait_for(lambda: (status := run_status(server, session, BASE)) and status.state == "finished", timeout=20)
+            base_result = finished(base)  # fail-open: it never waits for the stalled run
+            wait_for(lambda: (status := run_status(server, session, BASE)) and status.state == "finished")
             assert cand.process.poll() is None and last_step(server, session, CAND) <= stalled_at + 1
         finally:
             os.kill(cand.process.pid, signal.SIGCONT)
@@ -390,8 +411,8 @@ def test_a_divergence_is_found_the_same_through_cuts(server, jobs, reference):
         for link in (base_link, cand_link):
             link.cut(refuse_for=60)
         base, cand = start_pair(jobs, base_link.address, cand_link.address, session, bug="gelu_tanh",
-                                delay=CUT_STEP_DELAY)
-        wait_for(lambda: base_link.stats.refused and cand_link.stats.refused, timeout=30)
+                                delay=CUT_STEP_DELAY, lockstep=LEAD)
+        wait_for(lambda: base_link.stats.refused and cand_link.stats.refused)
         time.sleep(1.0)  # both train on, their first steps waiting in their outboxes
         assert server.registry.get(session) is None
         for link in (base_link, cand_link):
@@ -419,6 +440,5 @@ def test_a_link_down_as_training_ends_is_waited_for_within_the_close_timeout(ser
         result = job.wait()
     assert result.returncode == 0, result.output
     assert not {k: v for k, v in result.result["dropped"].items() if v}, result.result["dropped"]
-    status = wait_for(lambda: (s := run_status(server, session, BASE)) is not None and s.state != "streaming" and s,
-                      timeout=20)
+    status = wait_for(lambda: (s := run_status(server, session, BASE)) is not None and s.state != "streaming" and s)
     assert (status.state, status.last_step) == ("finished", 9)

@@ -55,13 +55,12 @@ def test_divergence_after_failed_steps_is_earliest_among_compared_and_names_the_
     jsonschema.validate(document, report_schema())
     assert document["first_divergence"]["after_gap"] is True
     assert document["first_divergence"]["gaps_before"][0]["last_step"] == 2
-    wait_for(lambda: any("AFTER A GAP" in line for line in watcher.lines), timeout=10)
-    wait_for(lambda: any("comes after steps that were not compared" in line for line in watcher.lines), timeout=10)
+    wait_for(lambda: any("AFTER A GAP" in line for line in watcher.lines))
+    wait_for(lambda: any("comes after steps that were not compared" in line for line in watcher.lines))
     watcher.close()
 
 
-@pytest.mark.parametrize("server", [{"config": config_from_dict({"halt_on_divergence": True,
-                                                                    "halt_after_gap": False})}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": config_from_dict({"halt": {"on_divergence": True, "after_gap": False}})}], indirect=True)
 def test_halt_after_gap_off_holds_the_halt_for_the_user(server, jobs):
     watcher = Watcher(server.address, "hold")
     base, cand = _pair(jobs, server, "hold", steps=6, bug="gelu_tanh", module=FAULTY,
@@ -71,7 +70,7 @@ def test_halt_after_gap_off_holds_the_halt_for_the_user(server, jobs):
     report = server.report_proto("hold")
     assert report.status == "diverged" and report.first_divergence.after_gap and not report.halted
     assert report.first_divergence.step == 2
-    wait_for(lambda: any("not halting" in line and "halt_after_gap" in line for line in watcher.lines), timeout=10)
+    wait_for(lambda: any("not halting" in line and "halt_after_gap" in line for line in watcher.lines))
     watcher.close()
 
 

@@ -21,12 +21,14 @@ import pytest
 from tests.conftest import ROOT, serve_process, wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import JournalConfig, SessionsConfig
 from twinstep.server.journal.store import JournalError
 from twinstep.server.report.render import report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
 STEPS = 30
+LEAD = 5
 # The reports are compared field for field with a run that never saw the fault, so the jobs' statistics must
 # be bit-reproducible: numpy's passes throughout (the compiled kernel takes over whenever its background load
 # ends, and sums in another order), one thread per job (threaded CPU kernels round differently run to run).
@@ -71,7 +73,9 @@ def ended(report: pb.Report | None) -> bool:
 
 
 def start_pair(jobs, address: str, session: str, *, bug: str = "none", delay: float = 0.0):
-    extra = ["--step-delay", str(delay)] if delay else []
+    """The pair; ``delay``: seconds a step, in lockstep (neither leads by more than LEAD steps), so the server is
+    killed mid-run however much sooner one job starts training on a busy machine."""
+    extra = ["--step-delay", str(delay), "--lockstep", str(LEAD)] if delay else []
     base = jobs("torch", server=address, session=session, baseline=True, steps=STEPS, extra=extra, env=DETERMINISTIC)
     cand = jobs("paddle", server=address, session=session, steps=STEPS, bug=bug, extra=extra, env=DETERMINISTIC)
     return base, cand
@@ -145,17 +149,17 @@ def _stream(address: str, session: str, run: str, steps, *, baseline: bool = Fal
 
 
 def test_a_graceful_restart_resumes_a_session_and_a_client_resumes_where_the_journal_ends(tmp_path: Path):
-    config = ServerConfig(journal=str(tmp_path))
+    config = ServerConfig(journal=JournalConfig(directory=str(tmp_path)))
     first = serve(port=0, config=config)
     try:
         _stream(first.address, "s", "torch", range(5), baseline=True)
         cand = _stream(first.address, "s", "paddle", range(3), close=False)
-        wait_for(lambda: first.report_proto("s").steps_compared == 3, timeout=10)
+        wait_for(lambda: first.report_proto("s").steps_compared == 3)
         before = first.report_proto("s")
     finally:
         first.stop(grace=0.5)  # the candidate's stream is open: it ends UNAVAILABLE, no loss
     cand.channel.close()
-    second = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    second = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     try:
         restored = second.report_proto("s")
         assert comparable(restored) == comparable(before)
@@ -170,7 +174,7 @@ def test_a_graceful_restart_resumes_a_session_and_a_client_resumes_where_the_jou
         stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=4)))
         stream.close()
         stream.wait_end()
-        report = wait_for(lambda: (r := second.report_proto("s")).status == "aligned" and r, timeout=10)
+        report = wait_for(lambda: (r := second.report_proto("s")).status == "aligned" and r)
         assert report.steps_compared == 5
         paddle = next(r for r in report.runs if r.name == "paddle")
         assert (paddle.records_received, paddle.steps_resent) == (5, 1)
@@ -179,20 +183,20 @@ def test_a_graceful_restart_resumes_a_session_and_a_client_resumes_where_the_jou
 
 
 def test_finished_sessions_leave_memory_and_stay_listed_and_readable(tmp_path: Path):
-    config = ServerConfig(journal=str(tmp_path), session_ttl=0.3)
+    config = ServerConfig(journal=JournalConfig(directory=str(tmp_path)), sessions=SessionsConfig(ttl=0.3))
     handle = serve(port=0, config=config)
     try:
         _stream(handle.address, "done", "torch", range(4), baseline=True)
         _stream(handle.address, "done", "paddle", range(4))
-        final = wait_for(lambda: (r := handle.report_proto("done")).status == "aligned" and r, timeout=10)
-        wait_for(lambda: handle.registry.get("done") is None, timeout=10)  # out of memory
+        final = wait_for(lambda: (r := handle.report_proto("done")).status == "aligned" and r)
+        wait_for(lambda: handle.registry.get("done") is None)  # out of memory
         assert comparable(get_report(handle.address, "done")) == comparable(final)  # read from the journal
         (row,) = list_sessions(handle.address).sessions
         assert (row.name, row.status, row.in_memory, row.steps_compared) == ("done", "aligned", False, 4)
         assert list(row.runs) == ["torch", "paddle"] and row.ended_unix > 0
     finally:
         handle.stop(grace=0.5)
-    again = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    again = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     try:
         assert again.registry.get("done") is None  # archived sessions are not replayed
         assert comparable(again.report_proto("done")) == comparable(final)
@@ -205,11 +209,11 @@ def test_finished_sessions_leave_memory_and_stay_listed_and_readable(tmp_path: P
 
 
 def test_without_a_journal_finished_sessions_keep_their_report_in_memory():
-    handle = serve(port=0, config=ServerConfig(session_ttl=0.2))
+    handle = serve(port=0, config=ServerConfig(sessions=SessionsConfig(ttl=0.2)))
     try:
         _stream(handle.address, "mem", "torch", range(2), baseline=True)
         _stream(handle.address, "mem", "paddle", range(2))
-        wait_for(lambda: handle.registry.get("mem") is None, timeout=10)
+        wait_for(lambda: handle.registry.get("mem") is None)
         assert get_report(handle.address, "mem").status == "aligned"
         (row,) = list_sessions(handle.address).sessions
         assert not row.in_memory and row.status == "aligned"
@@ -218,17 +222,17 @@ def test_without_a_journal_finished_sessions_keep_their_report_in_memory():
 
 
 def test_a_stream_that_never_returns_after_a_restart_is_lost(tmp_path: Path):
-    first = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    first = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     try:
         _stream(first.address, "gone", "torch", range(3), baseline=True)
         _stream(first.address, "gone", "paddle", range(2), close=False)
-        wait_for(lambda: first.report_proto("gone").steps_compared == 2, timeout=10)
+        wait_for(lambda: first.report_proto("gone").steps_compared == 2)
     finally:
         first.stop(grace=0.5)
-    second = serve(port=0, config=ServerConfig(journal=str(tmp_path), resume_grace=0.5))
+    second = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path)), sessions=SessionsConfig(resume_grace=0.5)))
     try:
         assert next(r for r in second.report_proto("gone").runs if r.name == "paddle").state == "streaming"
-        report = wait_for(lambda: (r := second.report_proto("gone")).status != "running" and r, timeout=10)
+        report = wait_for(lambda: (r := second.report_proto("gone")).status != "running" and r)
         paddle = next(r for r in report.runs if r.name == "paddle")
         assert paddle.state == "lost" and report.status == "incomplete"
         history = [e.alert.message for e in second.registry.get("gone").events.history if e.HasField("alert")]
@@ -238,10 +242,10 @@ def test_a_stream_that_never_returns_after_a_restart_is_lost(tmp_path: Path):
 
 
 def test_a_second_server_on_the_same_journal_is_refused(tmp_path: Path):
-    handle = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    handle = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     try:
         with pytest.raises(JournalError, match="another twinstep server"):
-            serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+            serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     finally:
         handle.stop(grace=0.5)
 
@@ -259,19 +263,19 @@ def _break_candidate(handle, session: str) -> None:
     """The baseline delivers steps 0 to 3 and closes; the candidate delivers 0 and 1, then its link breaks."""
     _stream(handle.address, session, "torch", range(4), baseline=True)
     stream = _stream(handle.address, session, "paddle", range(2), close=False)
-    wait_for(lambda: handle.report_proto(session).steps_compared == 2, timeout=10)
+    wait_for(lambda: handle.report_proto(session).steps_compared == 2)
     stream.channel.close()
 
 
 def test_a_grace_that_ran_out_before_a_restart_stays_run_out(tmp_path: Path):
-    first = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=0.3))
+    first = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path)), sessions=SessionsConfig(reconnect_grace=0.3)))
     try:
         _break_candidate(first, "expired")
-        before = wait_for(lambda: (r := first.report_proto("expired")).status == "incomplete" and r, timeout=10)
+        before = wait_for(lambda: (r := first.report_proto("expired")).status == "incomplete" and r)
     finally:
         first.stop(grace=0.5)
     # The end of the grace is journaled: the replay releases the run at the same point, with no new grace.
-    second = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=30))
+    second = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path)), sessions=SessionsConfig(reconnect_grace=30)))
     try:
         assert comparable(second.report_proto("expired")) == comparable(before)
     finally:
@@ -279,17 +283,17 @@ def test_a_grace_that_ran_out_before_a_restart_stays_run_out(tmp_path: Path):
 
 
 def test_a_grace_running_at_a_restart_runs_again_after_it(tmp_path: Path):
-    first = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=30))
+    first = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path)), sessions=SessionsConfig(reconnect_grace=30)))
     try:
         _break_candidate(first, "pending")
-        wait_for(lambda: first.report_proto("pending").runs[-1].state == "lost", timeout=10)
+        wait_for(lambda: first.report_proto("pending").runs[-1].state == "lost")
         assert first.report_proto("pending").status == "running"  # within its grace
     finally:
         first.stop(grace=0.5)
-    second = serve(port=0, config=ServerConfig(journal=str(tmp_path), reconnect_grace=0.5))
+    second = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path)), sessions=SessionsConfig(reconnect_grace=0.5)))
     try:
         assert second.report_proto("pending").status == "running"  # still free to come back
-        report = wait_for(lambda: (r := second.report_proto("pending")).status != "running" and r, timeout=10)
+        report = wait_for(lambda: (r := second.report_proto("pending")).status != "running" and r)
         assert report.status == "incomplete" and report.steps_compared == 2
     finally:
         second.stop(grace=0.5)

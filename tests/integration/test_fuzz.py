@@ -131,7 +131,7 @@ def test_hostile_streams_never_take_the_server_or_another_session_down(live, mes
     # The canary session still takes a step and reports it.
     number = _TRIED["examples"]
     canary.send(step(number, [(0, X)]))
-    wait_for(lambda: handle.report_proto("canary").runs[0].last_step == number, timeout=10)
+    wait_for(lambda: handle.report_proto("canary").runs[0].last_step == number)
 
 
 def test_the_fuzzer_tried_what_it_says(live):

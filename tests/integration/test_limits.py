@@ -26,7 +26,7 @@ def _close(stream, last):
     stream.wait_end()
 
 
-@pytest.mark.parametrize("server", [{"config": config_from_dict({"max_sessions": 2})}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": config_from_dict({"limits": {"max_sessions": 2}})}], indirect=True)
 def test_sessions_past_the_limit_are_refused_and_the_others_go_on(server):
     a, _ = _join(server.address, "one", "torch", baseline=True)
     b, _ = _join(server.address, "two", "torch", baseline=True)
@@ -38,7 +38,7 @@ def test_sessions_past_the_limit_are_refused_and_the_others_go_on(server):
     assert server.registry.names() == ["one", "two"]
 
 
-@pytest.mark.parametrize("server", [{"config": config_from_dict({"max_runs_per_session": 2})}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": config_from_dict({"limits": {"max_runs_per_session": 2}})}], indirect=True)
 def test_runs_past_the_limit_are_refused(server):
     _join(server.address, "runs", "torch", baseline=True)
     _join(server.address, "runs", "paddle")
@@ -48,7 +48,7 @@ def test_runs_past_the_limit_are_refused(server):
     assert [r.name for r in server.report_proto("runs").runs] == ["torch", "paddle"]
 
 
-@pytest.mark.parametrize("server", [{"config": config_from_dict({"memory_budget_bytes": 1000})}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": config_from_dict({"memory": {"budget_bytes": 1000}})}], indirect=True)
 def test_memory_budget_frees_ended_sessions_first_and_keeps_their_reports(server):
     ended, _ = _join(server.address, "ended", "torch", baseline=True)
     for number in range(20):  # a baseline alone: every step is held, waiting for a candidate
@@ -61,7 +61,7 @@ def test_memory_budget_frees_ended_sessions_first_and_keeps_their_reports(server
     held_live = server.registry.get("live").held_bytes()
     assert server.registry.get("ended").held_bytes() > 1000 and held_live > 0
     _close(ended, 19)
-    wait_for(lambda: server.registry.get("ended").held_bytes() == 0, timeout=10)
+    wait_for(lambda: server.registry.get("ended").held_bytes() == 0)
     assert server.registry.get("live").held_bytes() == held_live  # a streaming session keeps its window
     report = server.report_proto("ended")  # and the freed one its report
     assert report.runs[0].last_step == 19 and report.status == "incomplete"
@@ -76,7 +76,7 @@ def test_a_run_that_dies_is_lost_with_how_long_it_was_silent_and_the_other_goes_
         cand.send(step(number, [(0, X)]))
     wait_for(lambda: server.report_proto("dies").steps_compared == 3)
     cand.channel.close()  # the process died: no Close
-    wait_for(lambda: any("is lost after step 2" in line for line in watcher.lines), timeout=10)
+    wait_for(lambda: any("is lost after step 2" in line for line in watcher.lines))
     base.send(step(3, [(0, X)]))  # the baseline is not held back
     wait_for(lambda: server.report_proto("dies").runs[0].last_step == 3)
     report = server.report_proto("dies")

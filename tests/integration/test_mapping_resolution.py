@@ -31,7 +31,7 @@ def test_layer_rules_keep_applying_once_automatic_matching_fires(tmp_path, auto_
     """msprobe layer_mapping + automatic matching (the default): both apply, on every step."""
     from twinstep.server import serve
 
-    layer_rules.auto_mapping = auto_mapping
+    layer_rules.comparison.auto_mapping = auto_mapping
     handle = serve(port=0, config=layer_rules)
     try:
         base = _run(handle.address, "layers", "torch", True,
@@ -42,7 +42,7 @@ def test_layer_rules_keep_applying_once_automatic_matching_fires(tmp_path, auto_
         for number in range(3):
             base.send(step(number, [(0, X), (1, Y), (2, X * 2)]))
             cand.send(step(number, [(0, X), (1, Y), (2, X * 2)]))
-        wait_for(lambda: handle.report_proto("layers").steps_compared == 3, timeout=10)
+        wait_for(lambda: handle.report_proto("layers").steps_compared == 3)
         report = handle.report_proto("layers")
         assert "forward:block.attn" not in report.unmatched_baseline, list(report.unmatched_baseline)
         assert "forward:block.attention" not in report.unmatched_candidate, list(report.unmatched_candidate)

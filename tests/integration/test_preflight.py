@@ -19,6 +19,7 @@ from tests.conftest import ROOT, wait_for
 from tests.integration.rawclient import RawStream, hello
 from tests.integration.test_zero_code import clean_env, script, twinstep_run
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import JournalConfig, SessionsConfig
 from twinstep.server.report.render import render_text
 from twinstep.runtime.setup import setup_value
 from twinstep.v1 import twinstep_pb2 as pb
@@ -28,7 +29,7 @@ SESSION = "preflight-zero-code"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator:
-    handle = serve(port=0, config=ServerConfig(reconnect_grace=0.5))
+    handle = serve(port=0, config=ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)))
     address = handle.address
     # Watching from before the runs join, as a user would: the alert is shown as it happens.
     watch = subprocess.Popen([sys.executable, "-m", "twinstep", "watch", SESSION, "--plain", "--server", address],
@@ -79,14 +80,14 @@ def _setup_stream(address: str, session: str, run: str, lr: float, *, baseline: 
 
 
 def test_the_findings_survive_a_restart_on_the_journal(tmp_path):
-    first = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    first = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     try:
         _setup_stream(first.address, "durable", "torch", 1e-3, baseline=True)
         _setup_stream(first.address, "durable", "paddle", 2e-3)
-        before = wait_for(lambda: list(first.report_proto("durable").preflight), timeout=10)
+        before = wait_for(lambda: list(first.report_proto("durable").preflight))
     finally:
         first.stop(grace=0.5)
-    second = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    second = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     try:
         assert list(second.report_proto("durable").preflight) == before
         assert before[0].category == "lr" and list(before[0].affects) == ["fc.weight"]

@@ -27,6 +27,7 @@ import pytest
 
 from tests.conftest import ROOT
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SessionsConfig
 from twinstep.server.report.render import render_text, report_schema, report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
@@ -45,7 +46,7 @@ PAIRS = {
 def finished(tmp_path_factory: pytest.TempPathFactory):
     """Every pair trained to the end: (server, {session: (baseline result, candidate result)})."""
     tmp = tmp_path_factory.mktemp("records")
-    handle = serve(port=0, config=ServerConfig(reconnect_grace=0.5))
+    handle = serve(port=0, config=ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)))
     procs = []
     for session, (base_args, cand_args) in PAIRS.items():
         for framework, run, extra in (("torch", "torch", ["--baseline", *base_args]), ("paddle", "paddle", cand_args)):

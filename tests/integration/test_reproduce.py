@@ -11,10 +11,10 @@ import pytest
 
 from tests.conftest import ROOT
 from twinstep.server import ServerConfig
+from twinstep.server.config import HaltConfig, SessionsConfig
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(reconnect_grace=0.5, halt_on_divergence=True,
-                                                            bundle_on_halt=True)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5), halt=HaltConfig(on_divergence=True, bundle=True))}], indirect=True)
 def test_a_bundle_from_a_halted_run_reproduces_the_modules_error_in_one_process(server, jobs, tmp_path):
     bundles = tmp_path / "bundles"
     env = {"TWINSTEP_BUNDLE_DIR": str(bundles)}

@@ -54,14 +54,14 @@ def test_unmatched_modules_are_listed_not_passed(server):
     assert list(report.unmatched_candidate) == ["forward:other"]
 
 
-@pytest.mark.parametrize("server", [{"config": config_from_dict({"window_steps": 5})}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": config_from_dict({"window": {"steps": 5}})}], indirect=True)
 def test_window_bounds_a_run_that_is_far_ahead_and_the_report_says_so(server):
     base = open_run(server.address, "window", "base", True, [(0, "fc", "Linear")])
     for s in range(20):  # a raw client ignores credit; the server must still bound memory
         base.send(step(s, [(0, X)]))
     wait_for(lambda: last_step(server, "window", "base") == 19)
     session = server.registry.get("window")
-    assert session.aligners[0].pending_steps("base") == 5
+    assert session.core.pipeline.aligners[0].pending_steps("base") == 5
     cand = open_run(server.address, "window", "cand", False, [(0, "fc", "Linear")])
     for s in range(20):
         cand.send(step(s, [(0, X)]))

@@ -8,6 +8,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step
 from twinstep.server import ServerConfig
+from twinstep.server.config import SessionsConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
 VALUES = np.linspace(-1, 1, 16)
@@ -29,8 +30,18 @@ def run_stream(address: str, session: str, run: str, steps: range | list[int], *
 
 
 def ended(server, session: str):
-    wait_for(lambda: all(r.state != "streaming" for r in server.report_proto(session).runs), timeout=10)
+    """The report once the server knows every run ended (it reads a goodbye after the client sent it)."""
+    wait_for(lambda: all(r.state != "streaming" for r in server.report_proto(session).runs))
     return server.report_proto(session)
+
+
+def verdicts_told(events, count: int) -> list[str]:
+    """The "every run has ended" alerts, once there are ``count``: the server tells one just after it marks
+    the last run ended, so a test that read them at once could look before it was told."""
+    def told() -> list[str] | None:
+        found = [e.alert.message for e in events.history if "every run has ended" in e.alert.message]
+        return found if len(found) >= count else None
+    return wait_for(told)
 
 
 def test_baseline_alone_ends_incomplete_not_running(server):
@@ -45,13 +56,13 @@ def test_a_candidate_that_joins_after_the_baseline_ended_is_still_compared_and_t
     events = server.registry.get_or_create("late").events
     run_stream(server.address, "late", "torch", range(3), baseline=True)
     ended(server, "late")
-    told = [e.alert.message for e in events.history if "every run has ended" in e.alert.message]
+    told = verdicts_told(events, 1)
     assert len(told) == 1 and "INCOMPLETE: no candidate run joined" in told[0]
     assert "a candidate that joins within session_ttl" in told[0] and "told again" in told[0]
     run_stream(server.address, "late", "paddle", range(3))
     report = ended(server, "late")
     assert report.status == "aligned" and report.steps_compared == 3, (report.status, report.status_reasons)
-    told = [e.alert.message for e in events.history if "every run has ended" in e.alert.message]
+    told = verdicts_told(events, 2)
     assert len(told) == 2 and told[1] == "every run has ended: aligned over 3 compared step(s)", told
 
 
@@ -70,10 +81,10 @@ def test_candidate_that_ends_early_leaves_the_rest_uncompared(server):
 def test_a_lost_run_is_named(server):
     run_stream(server.address, "lost", "torch", range(3), baseline=True)
     stream = run_stream(server.address, "lost", "paddle", range(3), close=False)
-    wait_for(lambda: server.report_proto("lost").steps_compared == 3, timeout=10)
+    wait_for(lambda: server.report_proto("lost").steps_compared == 3)
     stream.channel.close()  # the process died: no Close
     ended(server, "lost")  # lost at once; the verdict waits for its reconnect grace (0.5 s in these tests)
-    report = wait_for(lambda: (r := server.report_proto("lost")).status != "running" and r, timeout=10)
+    report = wait_for(lambda: (r := server.report_proto("lost")).status != "running" and r)
     assert report.status == "incomplete"
     assert any("run 'paddle' lost its connection after step 2" in r for r in report.status_reasons)
 
@@ -118,7 +129,7 @@ def test_client_drops_are_named_with_their_steps_and_reason(server, reason, word
     assert (gap.run, gap.first_step, gap.last_step) == ("paddle", 1, 2) and words in gap.reason
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(reconnect_grace=30.0)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(sessions=SessionsConfig(reconnect_grace=30.0))}], indirect=True)
 def test_a_run_that_reconnects_within_its_grace_is_compared_as_if_it_never_left(server):
     """The candidate's stream breaks while the baseline holds steps it has not matched; it reconnects, is
     told what the server holds, and sends the rest: every step is compared, nothing is 'unmatched'."""
@@ -136,7 +147,7 @@ def test_a_run_that_reconnects_within_its_grace_is_compared_as_if_it_never_left(
         stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=last)))
         stream.close()
         stream.wait_end()
-    report = wait_for(lambda: (r := server.report_proto("blip")).status != "running" and r, timeout=10)
+    report = wait_for(lambda: (r := server.report_proto("blip")).status != "running" and r)
     assert (report.status, report.steps_compared) == ("aligned", 5), list(report.status_reasons)
     assert all(not r.dropped_by_reason for r in report.runs), [dict(r.dropped_by_reason) for r in report.runs]
 

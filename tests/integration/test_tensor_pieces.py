@@ -10,6 +10,7 @@ from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, pieces, step, step_with_pieces
 from tests.integration.test_bad_input import assert_serving, joined
 from twinstep.server import ServerConfig
+from twinstep.server.config import WindowConfig
 from twinstep.v1 import twinstep_pb2 as pb
 
 RNG = np.random.default_rng(7)
@@ -99,7 +100,7 @@ def test_a_piece_for_a_record_that_does_not_exist_is_refused(server):
     _refused(server, "norecord", sent + [records], "tensor piece for record 1, only 1 records")
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(window_bytes=4096)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(window=WindowConfig(bytes=4096))}], indirect=True)
 def test_pieces_beyond_the_window_are_refused_before_memory_grows(server):
     noise = RNG.standard_normal(100_000).astype(np.float32)  # incompressible
     _refused(server, "huge", pieces(0, [(0, noise)], per_piece=1000),

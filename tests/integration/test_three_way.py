@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import JOB_TIMEOUT, Job, run_status, wait_for
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import HaltConfig, SessionsConfig
 from twinstep.server.report.render import render_text, report_schema
 from twinstep.server.view.model import build_view
 
@@ -30,7 +31,7 @@ BAD_STEPS = 400  # "bad" trains until its halt reaches it (0.25 s a step: 100 s 
 
 @pytest.fixture(scope="module")
 def three_way(tmp_path_factory):
-    server = serve(port=0, config=ServerConfig(halt_on_divergence=True, reconnect_grace=0.5))
+    server = serve(port=0, config=ServerConfig(halt=HaltConfig(on_divergence=True), sessions=SessionsConfig(reconnect_grace=0.5)))
     tmp = tmp_path_factory.mktemp("three-way")
     watch = subprocess.Popen(CLI + ["watch", "one-bad", "--server", server.address, "--plain"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -14,14 +14,14 @@ from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
 
 def test_watching_an_unknown_session_waits_for_it_without_creating_it(server):
     watcher = Watcher(server.address, "later")
-    wait_for(lambda: watcher.lines, timeout=10)  # the stream is live: an empty progress line
+    wait_for(lambda: watcher.lines)  # the stream is live: an empty progress line
     with grpc.insecure_channel(server.address) as channel:
         with pytest.raises(grpc.RpcError) as missing:
-            pb_grpc.TwinstepStub(channel).GetReport(pb.ReportRequest(session="later"), timeout=5)
+            pb_grpc.TwinstepStub(channel).GetReport(pb.ReportRequest(session="later"), timeout=30)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
     assert server.registry.names() == []
     stream = RawStream(server.address).send(hello("later", "torch", baseline=True)).send(manifest((0, "fc", "Linear")))
     assert stream.next().WhichOneof("body") == "welcome"
-    wait_for(lambda: any("torch* step -1 streaming" in line for line in watcher.lines), timeout=10)
+    wait_for(lambda: any("torch* step -1 streaming" in line for line in watcher.lines))
     watcher.close()
     stream.close()

@@ -35,8 +35,7 @@ MAPPING = {"fused": [
 def synced(tmp_path_factory):
     """Both directions at once, each in its own session: (server, dump folder)."""
     tmp = tmp_path_factory.mktemp("weights")
-    server = serve(port=0, config=config_from_dict({"mapping": MAPPING, "max_message_bytes": 2 << 20,
-                                                    "reconnect_grace": 0.5}))
+    server = serve(port=0, config=config_from_dict({"mapping": MAPPING, "limits": {"max_message_bytes": 2 << 20}, "sessions": {"reconnect_grace": 0.5}}))
     jobs = []
     for session, base, cand in (("to-paddle", "torch", "paddle"), ("to-torch", "paddle", "torch")):
         for framework, role in ((base, ["--baseline"]), (cand, [])):

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import ROOT, last_step, wait_for
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SessionsConfig
 
 JOBS = ROOT / "tests" / "integration" / "jobs"
 TIMEOUT = 240
@@ -64,7 +65,7 @@ def script(framework: str, *args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator:
-    handle = serve(port=0, config=ServerConfig(reconnect_grace=0.5))
+    handle = serve(port=0, config=ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)))
     yield handle
     handle.stop(grace=0.5)
 

@@ -8,6 +8,7 @@ import pytest
 from tests.conftest import wait_for
 from twinstep.cli.main import main as cli
 from twinstep.server import ServerConfig
+from twinstep.server.config import DiagnosisConfig, SessionsConfig
 from twinstep.server.report.render import render_text, report_schema
 
 
@@ -22,7 +23,7 @@ def _ranks_at(server, session: str, runs: tuple[str, ...], ranks: int, step: int
         report.steps_compared >= step
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(reconnect_grace=0.5)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5))}], indirect=True)
 def test_a_zoom_brings_full_tensors_of_its_module_from_the_step_it_names_on_every_rank(server, jobs, tmp_path):
     # The baseline is torch DDP over two ranks (gloo); the candidate, paddle on two ranks as
     # paddle.distributed.launch numbers them (PADDLE_TRAINER_ID), each training on its rank's batches.
@@ -64,7 +65,7 @@ def test_a_zoom_brings_full_tensors_of_its_module_from_the_step_it_names_on_ever
     assert f"paddle rank 1, steps {first}-{first + 2}: layers.0.mlp.fc1" in text
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(reconnect_grace=0.5, auto_zoom=True, auto_zoom_steps=3)}],
+@pytest.mark.parametrize("server", [{"config": ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5), diagnosis=DiagnosisConfig(auto_zoom=True, auto_zoom_steps=3))}],
                          indirect=True)
 def test_auto_zoom_after_a_divergence_brings_the_module_and_its_neighbours_in_full_tensors(server, jobs):
     started = [

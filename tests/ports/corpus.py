@@ -99,8 +99,8 @@ CASES = (
 
 
 # ------------------------------------------------------------------ MindSpore candidate
-# transformers' Phi3 (torch, the baseline) against the MindSpore port of tests/ports/mindspore_phi3.py
-# (issue 19). The port names its modules as transformers does, so no mapping is needed.
+# transformers' Phi3 (torch, the baseline) against the MindSpore port of tests/ports/mindspore_phi3.py.
+# The port names its modules as transformers does, so no mapping is needed.
 
 def mindspore_job_commands(model: str, server: str, session: str, steps: int, tmp: str, bug: str | None = None,
                            capture: str = "stats", reference: bool = False) -> list[list[str]]:

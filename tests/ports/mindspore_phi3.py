@@ -1,6 +1,6 @@
 """Phi3 causal LM ported to MindSpore (``mindspore.nn.Cell``, PyNative mode), from transformers' torch code.
 
-No MindSpore model library builds a trainable model on this CPU (tested for issue 19):
+No MindSpore model library builds a trainable model on this CPU (tried when this port was written):
 mindnlp 0.4.x fails at import against every MindSpore on the mirror (2.7.0 .. 2.10.0:
 ``mindspore.common._stub_tensor`` and ``_c_expression.Tensor`` are gone), and mindnlp
 0.5.1 (mindspore <= 2.7.0, transformers run on its ``mindtorch`` layer) builds

@@ -445,7 +445,7 @@ def torch_module_name(s: ModelSpec, paddle_name: str) -> str:
 # outputs and parameters back onto the torch modules, and counting a record as
 # divergent once its rel_l2 exceeds 10x the faithful port's worst value for the same
 # record over 12 steps. Phases in the order forward, loss, backward, grad, param.
-# A rel_l2 below the README's default tolerances means the bug is real but sub-
+# A rel_l2 below the default tolerances (docs/tolerances.md) means the bug is real but sub-
 # tolerance at its origin: a stats comparison first flags it later, downstream.
 EXPECTED_ORIGIN: dict[str, dict[str, tuple[int, str, str, float]]] = {
     "norm_eps": {m: (0, "forward", "model.layers.0.input_layernorm", v)

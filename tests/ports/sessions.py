@@ -1,4 +1,4 @@
-"""One torch baseline, many candidates: the corpus in one session (three-way sessions, issue 19).
+"""One torch baseline, many candidates: the corpus in one session (three-way sessions).
 
 A session may hold several candidates, each compared against the baseline on its own and
 reported in its own section (Report.candidates). The bug corpus uses that: one torch

@@ -18,6 +18,7 @@ from mindspore import nn
 
 import twinstep
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SessionsConfig
 from twinstep.runtime.weights import mindspore as ms_loader
 
 mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
@@ -69,7 +70,7 @@ def same(ms: dict[str, np.ndarray], tv: dict[str, np.ndarray]) -> bool:
     return ms.keys() == TORCH_NAME.keys() and all(np.array_equal(ms[n], tv[TORCH_NAME[n]]) for n in ms)
 
 
-server = serve(port=0, config=ServerConfig(reconnect_grace=0.5))
+server = serve(port=0, config=ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)))
 try:
     # torch baseline -> MindSpore candidate, float32: every parameter, bit for bit, and the same outputs.
     base_model, cand_model = TorchNet(seed=0), MsNet()

@@ -76,13 +76,54 @@ def test_a_torch_job_never_imports_paddle(tmp_path):
     assert out.returncode == 0, out.stderr
 
 
+#: The server extra (pip install 'twinstep[server]'): the dashboard, /metrics and `twinstep watch`'s live view.
+SERVER_EXTRA = ("starlette", "uvicorn", "prometheus_client", "rich")
+
+
+def test_a_training_job_never_imports_the_server_extra(tmp_path):
+    """A training job runs without the server extra installed: attach, steps and close load none of it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, twinstep\n"
+        "mon = twinstep.attach(torch.nn.Linear(2, 2), session='s', run='r', server='127.0.0.1:9')\n"
+        "mon.step(); mon.close(timeout=0.5)\n"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {SERVER_EXTRA!r})\n"
+        "assert not loaded, loaded\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_server_extra_is_not_a_core_dependency():
+    import re
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(specs: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~;\[ ]", spec)[0].replace("-", "_").lower() for spec in specs}
+
+    extras = project["optional-dependencies"]
+    assert not names(project["dependencies"]) & set(SERVER_EXTRA)
+    assert names(extras["server"]) == set(SERVER_EXTRA)
+    # The test legs install the test extra's own names, not the extras inside "twinstep[...]" (tests/envs/build.sh).
+    assert names(extras["test"]) >= set(SERVER_EXTRA)
+
+
 # -- the server stands apart from the training side --------------------------------------------
 
 #: Client modules the server may use: the contract and framework-neutral definitions, nothing that
 #: runs on the training side (api, capture, transport, kernels, cli, demo, inprocess).
 SHARED = {"twinstep", "twinstep._version", "twinstep.wire", "twinstep.wire.phases", "twinstep.wire.codec",
           "twinstep.wire.stats", "twinstep.wire.sketch", "twinstep.wire.layouts", "twinstep.wire.netrules",
-          "twinstep.wire.weight_pieces"}  # weight sync's pieces: both ends cut and assemble them alike
+          "twinstep.wire.weight_pieces",  # weight sync's pieces: both ends cut and assemble them alike
+          # One retry helper (backoff with jitter, a deadline, a stop) for the runtime's gRPC calls and the
+          # server's webhooks: standard library only, and no part of the wire contract, so not in twinstep.wire.
+          "twinstep._retry",
+          # The machinery of settings declared as typed dataclass fields, under both attach's settings and the
+          # server's (declaration, readers, where each value came from): standard library only, no wire contract.
+          "twinstep._settings"}
 TRAINING_SIDE = ("twinstep.runtime", "twinstep.cli", "twinstep.tools")
 
 

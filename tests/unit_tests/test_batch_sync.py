@@ -14,6 +14,7 @@ import twinstep
 from twinstep.runtime.batches import wire
 from twinstep.errors import BatchSyncError
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SyncConfig
 from twinstep.server.batches.buffer import BatchBuffer
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.runtime.values import UnsupportedValue
@@ -77,7 +78,7 @@ def test_the_buffer_keeps_its_budget_dropping_taken_batches_first_then_the_oldes
 
 @pytest.fixture(scope="module")
 def server():
-    handle = serve(port=0, config=ServerConfig(batch_buffer_bytes=200_000, batch_max_bytes=100_000))
+    handle = serve(port=0, config=ServerConfig(sync=SyncConfig(batch_buffer_bytes=200_000, batch_max_bytes=100_000)))
     yield handle
     handle.stop(grace=0.5)
 

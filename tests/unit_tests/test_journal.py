@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import JournalConfig
 from twinstep.server.journal.entries import Kind
 from twinstep.server.journal.store import JournalError, JournalStore
 from twinstep.v1 import twinstep_pb2 as pb
@@ -51,7 +52,7 @@ def test_a_journal_of_a_newer_format_is_refused(tmp_path):
 
 
 def test_a_failing_journal_leaves_the_session_going_in_memory(tmp_path):
-    handle = serve(port=0, config=ServerConfig(journal=str(tmp_path)))
+    handle = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(tmp_path))))
     values = np.linspace(-1, 1, 16)
     try:
         streams = []

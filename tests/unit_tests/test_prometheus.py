@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SessionsConfig
 from twinstep.server.alert.prometheus import MAX_DROP_REASONS, _bounded_reasons, collect_text, read_session
 
 SESSIONS, MODULES, BASE_STEPS, CAND_STEPS = 16, 64, 30, 24
@@ -23,7 +24,7 @@ SESSIONS, MODULES, BASE_STEPS, CAND_STEPS = 16, 64, 30, 24
 @pytest.fixture(scope="module")
 def busy_server():
     """16 sessions of 2 runs: the baseline sent 30 steps of 64 modules, the candidate 24 (one off at step 5)."""
-    handle = serve(port=0, config=ServerConfig(reconnect_grace=0.5))
+    handle = serve(port=0, config=ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)))
     modules = [(i, f"layers.{i}", "Linear") for i in range(MODULES)]
     rng = np.random.default_rng(0)
     values = [rng.standard_normal(16).astype(np.float32) for _ in range(MODULES)]

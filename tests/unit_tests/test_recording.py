@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.integration.rawclient import RawStream, hello, manifest, step, step_with_pieces
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import HaltConfig, JournalConfig, RecordingConfig, SessionsConfig, WindowConfig
 from twinstep.server.journal.entries import Kind
 from twinstep.server.record import compare as record_compare
 from twinstep.server.record.catalog import find, scan, split_source
@@ -188,7 +189,7 @@ def _ended(handle, session: str, runs: int = 2) -> bool:
 def recorded_pair(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     """A baseline and a candidate that diverges at step 3, 10 steps each, recorded; and the live report."""
     directory = tmp_path_factory.mktemp("recordings")
-    handle = serve(port=0, config=ServerConfig(record=str(directory)))
+    handle = serve(port=0, config=ServerConfig(recording=RecordingConfig(directory=str(directory))))
     try:
         for stream in (_send_run(handle.address, "pair", "torch", range(10), baseline=True),
                        _send_run(handle.address, "pair", "paddle", range(10), baseline=False, diverge_at=3)):
@@ -211,23 +212,23 @@ def test_the_recorded_pair_compares_offline_as_it_did_live(recorded_pair):
 
 def test_a_recorded_baseline_is_played_at_the_candidates_pace(recorded_pair):
     path, live = recorded_pair
-    handle = serve(port=0, config=ServerConfig(window_steps=2, max_inflight_steps=1, replay={"pair": f"{path}:torch"}))
+    handle = serve(port=0, config=ServerConfig(window=WindowConfig(steps=2, inflight_steps=1), recording=RecordingConfig(replay={"pair": f"{path}:torch"})))
     try:
         session, player = handle.registry.get("pair"), handle.recording.players["pair"]
         assert session is not None and session.baseline == "torch"
         wait_for(lambda: player.waiting_for == {"a candidate"}, timeout=10)
-        assert session.runs["torch"].last_step == -1  # no candidate yet: nothing fed (it would overflow the window)
+        assert session.last_step("torch") == -1  # no candidate yet: nothing fed (it would overflow the window)
         stream = RawStream(handle.address).send(hello("pair", "paddle")).send(manifest((0, "fc", "Linear")))
         for number in range(3):  # a raw stream ignores credits: keep within the window of 2 as a client would
             stream.send(step(number, [(0, VALUES)]))
-            wait_for(lambda: session.runs["torch"].last_step >= number, timeout=10)
-        wait_for(lambda: "paddle" in session.runs and session.runs["paddle"].last_step == 2
+            wait_for(lambda: session.last_step("torch") >= number, timeout=10)
+        wait_for(lambda: session.last_step("paddle") == 2
                  and player.waiting_for == {"credit"}, timeout=10)
         # Held back by the credit policy: window_steps ahead of the candidate, and no further.
-        assert session.runs["torch"].last_step == 2 + 2
+        assert session.last_step("torch") == 2 + 2
         for number in range(3, 10):  # paced as above: a loaded machine must not push it out of the window
             stream.send(step(number, [(0, VALUES + (0.5 if number >= 3 else 0.0))]))
-            wait_for(lambda: session.runs["torch"].last_step >= number, timeout=10)
+            wait_for(lambda: session.last_step("torch") >= number, timeout=10)
         stream.send(pb.ClientMessage(close=pb.Close(reason="finished", last_step=9))).close()
         wait_for(lambda: _ended(handle, "pair"), timeout=10)
         report = handle.report("pair")
@@ -246,7 +247,7 @@ def test_a_truncated_recorded_baseline_is_played_up_to_its_end_with_an_error_and
         at = next(f.head.offset for f in reader.frames() if f.head.stream in torch_streams and f.head.step == 6)
     cut = tmp_path / "cut.twrec"
     cut.write_bytes(path.read_bytes()[:at + 30])
-    handle = serve(port=0, config=ServerConfig(replay={"pair": str(cut)}))
+    handle = serve(port=0, config=ServerConfig(recording=RecordingConfig(replay={"pair": str(cut)})))
     try:
         _send_run(handle.address, "pair", "paddle", range(10), baseline=False, diverge_at=3).wait_end()
         wait_for(lambda: _ended(handle, "pair"), timeout=10)
@@ -265,15 +266,15 @@ def test_a_truncated_recorded_baseline_is_played_up_to_its_end_with_an_error_and
 def test_a_replay_of_a_missing_recording_or_run_is_refused_before_the_server_starts(tmp_path, recorded_pair):
     path, _ = recorded_pair
     with pytest.raises(ValueError, match="replay of session 'x': no recording of session 'x'"):
-        serve(port=0, config=ServerConfig(replay={"x": str(path.parent)}))
+        serve(port=0, config=ServerConfig(recording=RecordingConfig(replay={"x": str(path.parent)})))
     with pytest.raises(ValueError, match="has no run 'jax'"):
-        serve(port=0, config=ServerConfig(replay={"x": f"{path}:jax"}))
+        serve(port=0, config=ServerConfig(recording=RecordingConfig(replay={"x": f"{path}:jax"})))
 
 
 def test_the_budget_evicts_the_oldest_finished_recording_then_refuses_steps(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="twinstep.server")
     directory = tmp_path / "recordings"
-    handle = serve(port=0, config=ServerConfig(record=str(directory), session_ttl=0))
+    handle = serve(port=0, config=ServerConfig(recording=RecordingConfig(directory=str(directory)), sessions=SessionsConfig(ttl=0)))
     try:  # a session of 4 steps of tensors, recorded whole and finished (archived at once: session_ttl 0)
         _send_run(handle.address, "one", "torch", range(4), baseline=True, pieces=True).wait_end()
         wait_for(lambda: handle.registry.get("one") is None and not handle.recording.recorder.counts()["recordings"],
@@ -283,7 +284,7 @@ def test_the_budget_evicts_the_oldest_finished_recording_then_refuses_steps(tmp_
     finally:
         handle.stop(grace=0.5)
     # A budget one and a half times that: the next session evicts the first, then runs out of room.
-    handle = serve(port=0, config=ServerConfig(record=str(directory), record_budget=size * 3 // 2))
+    handle = serve(port=0, config=ServerConfig(recording=RecordingConfig(directory=str(directory), budget_bytes=size * 3 // 2)))
     try:
         _send_run(handle.address, "two", "torch", range(12), baseline=True, pieces=True, offset=1.0).wait_end()
         wait_for(lambda: _ended(handle, "two", runs=1), timeout=10)
@@ -305,19 +306,19 @@ def test_the_budget_evicts_the_oldest_finished_recording_then_refuses_steps(tmp_
 
 def test_a_session_restored_from_the_journal_is_recorded_whole(tmp_path):
     journal, directory = tmp_path / "journal", tmp_path / "recordings"
-    handle = serve(port=0, config=ServerConfig(journal=str(journal), record=str(directory)))
+    handle = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(journal)), recording=RecordingConfig(directory=str(directory))))
     try:  # a baseline that streamed 3 steps when the server stopped
         stream = RawStream(handle.address).send(hello("kept", "torch", baseline=True))
         stream.send(manifest((0, "fc", "Linear")))
         for number in range(3):
             stream.send(step(number, [(0, VALUES)]))
-        wait_for(lambda: (kept := handle.registry.get("kept")) is not None and kept.runs["torch"].last_step == 2,
+        wait_for(lambda: (kept := handle.registry.get("kept")) is not None and kept.last_step("torch") == 2,
                  timeout=10)
     finally:
         handle.stop(grace=0.5)
     (before,) = directory.glob("*.twrec")
     before.unlink()  # what the new server records must come from the journal
-    handle = serve(port=0, config=ServerConfig(journal=str(journal), record=str(directory)))
+    handle = serve(port=0, config=ServerConfig(journal=JournalConfig(directory=str(journal)), recording=RecordingConfig(directory=str(directory))))
     try:
         stream = RawStream(handle.address).send(hello("kept", "torch", baseline=True))
         stream.send(manifest((0, "fc", "Linear")))
@@ -335,7 +336,7 @@ def test_a_session_restored_from_the_journal_is_recorded_whole(tmp_path):
 
 def test_a_halt_of_the_session_halts_the_played_baseline(recorded_pair):
     path, _ = recorded_pair
-    handle = serve(port=0, config=ServerConfig(halt_on_divergence=True, window_steps=2, replay={"pair": str(path)}))
+    handle = serve(port=0, config=ServerConfig(halt=HaltConfig(on_divergence=True), window=WindowConfig(steps=2), recording=RecordingConfig(replay={"pair": str(path)})))
     try:
         stream = RawStream(handle.address).send(hello("pair", "paddle")).send(manifest((0, "fc", "Linear")))
         for number in range(5):

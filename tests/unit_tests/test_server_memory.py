@@ -44,5 +44,7 @@ def test_retained_memory_is_reused_without_page_faults() -> None:
 def test_serve_has_an_opt_out() -> None:
     from twinstep.cli.main import build_parser
 
-    assert build_parser().parse_args(["serve", "--release-freed-memory"]).release_freed_memory
-    assert not build_parser().parse_args(["serve"]).release_freed_memory
+    from twinstep.cli.serve import resolved
+
+    assert resolved(build_parser().parse_args(["serve", "--release-freed-memory"]), {}).config.memory.release_freed
+    assert not resolved(build_parser().parse_args(["serve"]), {}).config.memory.release_freed

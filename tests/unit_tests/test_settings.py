@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import inspect
 import textwrap
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import yaml
 
 import twinstep
 from twinstep.runtime import settings
@@ -14,6 +20,11 @@ from twinstep.runtime.api import attach
 from twinstep.runtime.capture.recorder import CAPTURE_MODES
 from twinstep.runtime.transport.messages import COMPRESSIONS
 from tests.conftest import run_status
+from twinstep.cli import run as run_cli
+from twinstep.cli.main import build_parser
+from twinstep.runtime import api
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, text: str, name: str = "twinstep.yaml") -> str:
@@ -116,10 +127,40 @@ def test_a_missing_file_is_named(tmp_path):
         settings.resolve({}, environ={"TWINSTEP_CONFIG": str(tmp_path / "nowhere.yaml")})
 
 
-def test_every_attach_parameter_is_a_setting():
-    parameters = set(inspect.signature(attach).parameters) - settings.ARGUMENT_ONLY
-    assert parameters == set(settings.BY_NAME)
-    assert all(inspect.signature(attach).parameters[name].default is None for name in parameters)
+#: Every setting attach had before the definition was grouped, by its keyword (= YAML key): the
+#: variables keep these names exactly, and none of them may go without a way for users to know.
+EARLIER = ("session run baseline reference server capture include exclude every rank world_size lockstep "
+           "lockstep_timeout max_queue_steps max_queue_bytes backward precision sketch compression sender start_step "
+           "token tls_ca tls_client_cert tls_client_key insecure stats_workers share_weights init_from_baseline "
+           "init_timeout publish_batches sync_batches batch_timeout bundle_dir").split()
+
+
+def test_every_earlier_setting_keeps_its_keyword_key_and_variable():
+    assert sorted(settings.BY_NAME) == sorted(EARLIER)
+    assert all(settings.BY_NAME[name].env == "TWINSTEP_" + name.upper() for name in EARLIER)
+    assert {s.name for s in settings.SETTINGS if not s.option} == {"rank", "world_size"}  # the launcher's
+    assert all(s.help and s.group for s in settings.SETTINGS)
+
+
+def test_attach_s_keywords_are_the_settings_in_their_order_with_their_types():
+    parameters = inspect.signature(attach).parameters
+    keywords = [name for name in parameters if name not in settings.ARGUMENT_ONLY]
+    assert keywords == [item.name for item in settings.SETTINGS]
+    for item in settings.SETTINGS:
+        parameter = parameters[item.name]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None, item.name
+        # api.py is `from __future__ import annotations`: its annotations are source text, as ast writes it
+        assert parameter.annotation == ast.unparse(ast.parse(item.annotation, mode="eval")), item.name
+
+
+def test_what_is_generated_from_the_definition_is_current():
+    """attach's keywords and docstring entries (api.py) and the docs' table: run scripts/gen_settings_docs.py."""
+    spec = importlib.util.spec_from_file_location("gen_settings_docs", ROOT / "scripts" / "gen_settings_docs.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert generator.stale("attach keywords", "attach settings") == [], "stale: run python scripts/gen_settings_docs.py"
+    for item in settings.SETTINGS:
+        assert f"        {item.name}: " in attach.__doc__ and f"| `{item.name}` | `{item.env}`" in generator.attach_table()
 
 
 def test_vocabularies_agree_with_their_owners():
@@ -158,3 +199,109 @@ def test_attach_by_environment_alone_and_by_file_alone(monkeypatch, tmp_path, se
         assert mon.current_step == 10
         mon.step()
     assert run_status(server, "by-file", "file").last_step == 10
+
+
+# -- every setting reaches the runtime alike from every source ------------------------------------------
+
+
+def _probe(item: settings.Setting) -> Any:
+    """A value of the setting other than its default, as attach hands it to the runtime."""
+    if item.kind == "flag":
+        return not item.default
+    if item.kind == "integer":
+        return (item.spec.minimum or 0) + 3
+    if item.kind == "bytes":
+        return 512 << 20
+    if item.kind == "seconds":
+        return 2.5
+    if item.kind == "choice":
+        return next(c for c in item.choices if c != item.default)
+    if item.kind == "patterns":
+        return ("layers.*", "lm_head")
+    return f"/probe/{item.name}.pem" if item.spec.path else f"probe-{item.name}"
+
+
+def _given(item: settings.Setting, source: str, tmp_path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(attach's keyword arguments, environment) that give the probe value by ``source``."""
+    value = _probe(item)
+    text = "512MiB" if item.kind == "bytes" else item.text(value)
+    if source == "keyword":
+        return {item.name: list(value) if isinstance(value, tuple) else value}, {}
+    if source == "environment":
+        return {}, {item.env: text}
+    if source == "file":
+        raw = list(value) if isinstance(value, tuple) else text if item.kind == "bytes" else value
+        return {}, {"TWINSTEP_CONFIG": write(tmp_path, yaml.safe_dump({item.name: raw}))}
+    assert source == "option"
+    if item.kind == "flag":
+        argv = [item.option if value else "--no-" + item.option[2:]]
+    elif item.kind == "patterns":
+        argv = [a for pattern in value for a in (item.option, pattern)]
+    else:
+        argv = [item.option, text]
+    args = build_parser().parse_args(["run", *argv, "--", "python", "train.py"])
+    return {}, {k: v for k, v in run_cli.child_environment(args, base={}).items() if k.startswith("TWINSTEP_")}
+
+
+SOURCES = [(item.name, source) for item in settings.SETTINGS
+           for source in ("keyword", "environment", "file", "option") if source != "option" or item.option]
+
+
+@pytest.mark.parametrize("name, source", SOURCES)
+def test_every_setting_reaches_the_runtime_from_every_source(name, source, monkeypatch, tmp_path):
+    """What attach hands the runtime (api.start) holds the value, whichever source gave it.
+
+    That the runtime then behaves differently with it: tests/unit_tests/test_attach_settings_effect.py.
+    """
+    for variable in [n for n in __import__("os").environ if n.startswith("TWINSTEP_")] + ["RANK", "WORLD_SIZE"]:
+        monkeypatch.delenv(variable, raising=False)
+    item = settings.BY_NAME[name]
+    keywords, environ = _given(item, source, tmp_path)
+    for variable, text in environ.items():
+        monkeypatch.setenv(variable, text)
+    handed = []
+    monkeypatch.setattr(api, "start", lambda model, chosen, optimizer=None: handed.append(chosen))
+    twinstep.attach(torch.nn.Linear(2, 2), **keywords)
+    (chosen,) = handed
+    assert _probe(item) != item.default
+    assert getattr(getattr(chosen, item.group), name) == _probe(item)
+    others = {other.name: other.default for other in settings.SETTINGS if other.name != name}
+    assert {k: v for k, v in chosen.as_dict().items() if k != name} == others  # nothing else changed
+
+
+def test_show_config_aligns_its_columns_and_hides_the_token(capsys, monkeypatch, tmp_path):
+    for variable in [n for n in __import__("os").environ if n.startswith("TWINSTEP_")]:
+        monkeypatch.delenv(variable)
+    path = write(tmp_path, "session: s\nserver: 127.0.0.1:1\ntoken: secret-token\nruns:\n  paddle:\n    every: 2\n")
+    monkeypatch.setenv("TWINSTEP_CAPTURE", "lossy")
+    args = build_parser().parse_args(["run", "--config", path, "--run", "paddle", "--show-config"])
+    assert run_cli.run(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"config file: {path}" and lines[1].split() == ["GROUP", "SETTING", "VALUE", "SOURCE"]
+    rows = {line.split()[1]: line for line in lines[2:]}
+    assert list(rows) == [item.name for item in settings.SETTINGS]
+    for column in ("SETTING", "VALUE", "SOURCE"):  # every column starts where its heading does, on every line
+        at = lines[1].index(column)
+        assert all(line[at - 2:at] == "  " and line[at] != " " for line in lines[2:]), column
+    assert rows["every"].split()[2:] == ["2", f"{path}:", "runs.paddle.every"]
+    assert rows["capture"].split()[2:] == ["lossy", "TWINSTEP_CAPTURE"]
+    assert rows["run"].split()[2:] == ["paddle", "--run"]
+    assert rows["token"].split()[2:4] == ["(set,", "hidden)"] and "secret-token" not in "\n".join(lines)
+
+
+def test_a_group_written_as_a_mapping_in_the_file_is_named(tmp_path):
+    path = write(tmp_path, "transport:\n  max_queue_steps: 4\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['transport'\].*flat keys of the file.*max_queue_steps"):
+        settings.resolve({}, environ={"TWINSTEP_CONFIG": path})
+    path = write(tmp_path, "capture:\n  every: 2\n")
+    with pytest.raises(ValueError, match=r"capture: settings are flat keys of the file: write every at the top level"):
+        settings.resolve({}, environ={"TWINSTEP_CONFIG": path})
+
+
+def test_a_bad_argument_is_named_like_a_bad_variable():
+    with pytest.raises(ValueError, match=r"^every must be an integer >= 1, got 0$"):
+        settings.resolve({"every": 0}, environ={})
+    with pytest.raises(ValueError, match="include takes a sequence of glob patterns, not a string"):
+        settings.resolve({"include": "fc*"}, environ={})
+    resolved = settings.resolve({"max_queue_bytes": "2GiB", "lockstep": np.int64(2)}, environ={})
+    assert resolved.values["max_queue_bytes"] == 2 << 30 and resolved.values["lockstep"] == 2

@@ -12,6 +12,7 @@ from tests.unit_tests.test_recorder import FRAMEWORKS, toy
 from twinstep.wire import codec
 from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
 from twinstep.server import ServerConfig
+from twinstep.server.config import WindowConfig
 from twinstep.server.ingest.pieces import PieceCollector
 from twinstep.server.ingest.wire import ReceivedPiece, Unreadable, parse_client_message
 from twinstep.runtime.transport.messages import TensorEncoder, encoded_pieces, step_message
@@ -211,7 +212,7 @@ def test_cuda_copies_land_in_pinned_buffers_and_the_fence_waits_for_them():
     np.testing.assert_allclose(decoded[first_linear], expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("server", [{"config": ServerConfig(window_bytes=6000)}], indirect=True)
+@pytest.mark.parametrize("server", [{"config": ServerConfig(window=WindowConfig(bytes=6000))}], indirect=True)
 def test_a_step_whose_tensors_the_server_cannot_hold_is_dropped_by_the_client(server, caplog):
     """Not sent and refused (which would end the run's capture): dropped, counted, warned once; smaller ones go on."""
     import torch

@@ -83,3 +83,43 @@ def test_an_existing_environment_counts_towards_its_own_rebuild(runner, monkeypa
     _disk(monkeypatch, runner, total_gb=0.8)  # 0.21 GB free; the leg needs 0.6, holds 0.49
     assert runner._make_room(runner.Leg("next", "", (), disk_gb=0.6), ["other"], testing=None)
     assert other.exists()
+
+
+# -- which legs run what -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def table():
+    spec = importlib.util.spec_from_file_location("twinstep_test_table", ROOT / "tests" / "envs" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_every_integration_module_has_its_row_and_every_row_its_module(table):
+    """A new module must say where it runs (or it would run nowhere); a row must name a file that exists."""
+    modules = {path.name for path in (ROOT / "tests" / "integration").glob("test_*.py")}
+    files = {key.split("::")[0] for key in table.INTEGRATION}
+    assert modules == files, f"without a row: {sorted(modules - files)}; without a module: {sorted(files - modules)}"
+    legs = {leg.name for leg in table.LEGS}
+    for key, row in table.INTEGRATION.items():
+        assert row.legs and set(row.legs) <= legs and row.why, key
+        assert not row.quick or "latest" in row.legs, f"{key}: the quick loop runs the latest leg"
+
+
+def test_each_leg_runs_its_rows_and_the_quick_loop_a_part_of_latest(table):
+    for leg in table.LEGS:
+        tiers = dict(leg.tiers)
+        assert tiers["unit"] == ("tests/unit_tests",)
+        chosen = tiers["integration"]
+        assert chosen and all(path.startswith("tests/integration/test_") for path in chosen)
+        assert chosen == tuple(f"tests/integration/{key}" for key, row in table.INTEGRATION.items()
+                               if leg.name in row.legs)
+    latest = dict(table.LEGS[0].tiers)["integration"]
+    quick = table.integration("latest", quick=True)
+    assert "tests/integration/test_end_to_end.py" in quick and set(quick) < set(latest)
+    assert "x: runs in that leg" in table.table()

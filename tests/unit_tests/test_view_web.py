@@ -13,6 +13,7 @@ from email.message import Message
 import pytest
 
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import SessionsConfig
 from twinstep.server.security import ServerSecurity, self_signed
 
 OPERATOR = "operator-secret-1"
@@ -37,7 +38,7 @@ def request(url: str, method: str = "GET", token: str | None = None, headers: di
 def guarded():
     """A server with an operator token and two sessions' tokens; session 'a' exists."""
     security = ServerSecurity(operator_token=OPERATOR, session_tokens=[("a", OWN), ("b", OTHER)])
-    handle = serve(port=0, http_port=0, security=security, config=ServerConfig(reconnect_grace=0.5))
+    handle = serve(port=0, http_port=0, security=security, config=ServerConfig(sessions=SessionsConfig(reconnect_grace=0.5)))
     handle.registry.get_or_create("a")
     yield handle
     handle.stop(grace=0.5)

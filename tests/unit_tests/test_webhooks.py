@@ -5,9 +5,14 @@ The whole path with a live server and real jobs is tests/integration/test_alerts
 
 from __future__ import annotations
 
+import http.client
 import json
+import select
+import socket
+import ssl
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -68,9 +73,9 @@ def _divergence(session: str = "s") -> pb.Event:
 
 def test_config_errors_name_the_entry_and_option(monkeypatch):
     with pytest.raises(ValueError, match=r"webhooks\[1\]: webhook format must be one of json, slack"):
-        config_from_dict({"webhooks": ["http://a/x", {"url": "http://b", "format": "teams"}]})
+        config_from_dict({"alerts": {"webhooks": ["http://a/x", {"url": "http://b", "format": "teams"}]}})
     with pytest.raises(ValueError, match=r"webhooks\[0\]: unknown options \['uri'\]"):
-        config_from_dict({"webhooks": [{"uri": "http://a"}]})
+        config_from_dict({"alerts": {"webhooks": [{"uri": "http://a"}]}})
     with pytest.raises(ValueError, match=r"unknown: \['diverged'\]"):
         webhooks_from_list([{"url": "http://a", "events": ["diverged"]}])
     with pytest.raises(ValueError, match=r"names \$\{NOT_SET_HERE\}, which is not set"):
@@ -170,3 +175,144 @@ def test_stage_errors_keep_the_latest_step_and_the_worst_rank():
     assert rows["loss"].ratio == 0.0 and rows["grad"].ratio == float("inf")
     stages.add(_comparison(2, 0, [("forward", "a", 0.1, 1.0)]))
     assert [(s.step, s.phase, s.ratio) for s in stages.to_proto()] == [(2, "forward", pytest.approx(0.1))]
+
+
+# -- the proxy variables ----------------------------------------------------------------------------
+
+#: A name no resolver knows (RFC 2606): only the test proxy can reach a receiver called so.
+VIA_PROXY = "receiver.test"
+
+
+@pytest.fixture
+def proxy():
+    """A forwarding HTTP proxy on loopback: absolute-form requests and CONNECT tunnels, each recorded as
+    (method, target, body).  It resolves receiver.test to 127.0.0.1, so what reaches a receiver by that
+    name went through it."""
+    passed: list[tuple[str, str, bytes]] = []
+
+    def upstream(host: str) -> str:
+        return "127.0.0.1" if host == VIA_PROXY else host
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            passed.append(("POST", self.path, body))
+            target = urllib.parse.urlsplit(self.path)
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in ("host", "connection", "proxy-connection", "content-length")}
+            conn = http.client.HTTPConnection(upstream(target.hostname), target.port, timeout=10)
+            conn.request("POST", target.path + (f"?{target.query}" if target.query else ""), body=body,
+                         headers={**headers, "Host": target.netloc})
+            answer = conn.getresponse()
+            data = answer.read()
+            conn.close()
+            self.send_response(answer.status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_CONNECT(self) -> None:
+            passed.append(("CONNECT", self.path, b""))
+            host, _, port = self.path.rpartition(":")
+            far = socket.create_connection((upstream(host), int(port)), timeout=10)
+            self.send_response(200, "Connection established")
+            self.end_headers()
+            near = self.connection
+            try:
+                while True:
+                    readable, _, _ = select.select([near, far], [], [], 10)
+                    if not readable:
+                        return
+                    for sock in readable:
+                        data = sock.recv(1 << 16)
+                        if not data:
+                            return
+                        (far if sock is near else near).sendall(data)
+            finally:
+                far.close()
+                self.close_connection = True
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", passed
+    server.shutdown()
+    server.server_close()
+
+
+def _proxy_env(monkeypatch, **variables: str) -> None:
+    """Exactly these proxy variables (urllib prefers the lower-case spelling: both are cleared first)."""
+    for name in ("http_proxy", "https_proxy", "no_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_webhooks_go_through_the_http_proxy_of_the_environment(receiver, proxy, monkeypatch):
+    url, seen, _ = receiver
+    proxy_url, passed = proxy
+    _proxy_env(monkeypatch, HTTP_PROXY=proxy_url)
+    port = urllib.parse.urlsplit(url).port
+    dispatcher = WebhookDispatcher([WebhookConfig(url=f"http://{VIA_PROXY}:{port}/hook?key=1")], server="host:1")
+    dispatcher.offer(_divergence())
+    (receiver_,) = dispatcher.receivers
+    _wait(lambda: receiver_.counts()["sent"] == 1)
+    body = json.dumps(json_payload(_divergence(), "host:1")).encode()
+    assert passed == [("POST", f"http://{VIA_PROXY}:{port}/hook?key=1", body)]  # the body, as sent directly
+    assert seen == [("/hook?key=1", body)]
+    assert dispatcher.stop(timeout=1.0)
+
+
+def test_no_proxy_sends_a_webhook_directly(receiver, proxy, monkeypatch):
+    url, seen, _ = receiver
+    proxy_url, passed = proxy
+    _proxy_env(monkeypatch, HTTP_PROXY=proxy_url, NO_PROXY="localhost,127.0.0.1")
+    dispatcher = WebhookDispatcher([WebhookConfig(url=url + "/direct")])
+    dispatcher.offer(_divergence())
+    (receiver_,) = dispatcher.receivers
+    _wait(lambda: receiver_.counts()["sent"] == 1)
+    assert [path for path, _ in seen] == ["/direct"] and passed == []
+    assert dispatcher.stop(timeout=1.0)
+
+
+def test_an_https_webhook_goes_through_the_https_proxy_in_a_tunnel(proxy, monkeypatch, tmp_path):
+    pytest.importorskip("cryptography")  # the tls extra: the receiver's certificate
+    from twinstep.server.security import self_signed
+
+    cert, key = self_signed(tmp_path, hosts=[VIA_PROXY])
+    seen: list[tuple[str, bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    https = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    https.socket = context.wrap_socket(https.socket, server_side=True)
+    https.daemon_threads = True
+    threading.Thread(target=https.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        proxy_url, passed = proxy
+        _proxy_env(monkeypatch, HTTPS_PROXY=proxy_url, SSL_CERT_FILE=str(cert))  # the receiver's certificate trusted
+        port = https.server_address[1]
+        dispatcher = WebhookDispatcher([WebhookConfig(url=f"https://{VIA_PROXY}:{port}/secure", format="slack")])
+        dispatcher.offer(_divergence())
+        (receiver_,) = dispatcher.receivers
+        _wait(lambda: receiver_.counts()["sent"] + receiver_.counts()["failed"] == 1)
+        assert receiver_.counts()["sent"] == 1, receiver_.counts()
+        assert passed == [("CONNECT", f"{VIA_PROXY}:{port}", b"")]  # a tunnel: the proxy never saw the body
+        assert seen == [("/secure", json.dumps(slack_payload(_divergence())).encode())]
+        assert dispatcher.stop(timeout=1.0)
+    finally:
+        https.shutdown()
+        https.server_close()

@@ -17,6 +17,7 @@ import torch
 
 import twinstep
 from twinstep.server import ServerConfig, serve
+from twinstep.server.config import LimitsConfig, SessionsConfig, SyncConfig
 from twinstep.server.report.render import render_text, report_schema
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.v1 import twinstep_pb2_grpc as pb_grpc
@@ -27,7 +28,7 @@ SMALL_MESSAGES = 2 << 20
 
 @pytest.fixture(scope="module")
 def server():
-    handle = serve(port=0, config=ServerConfig(max_message_bytes=SMALL_MESSAGES, reconnect_grace=0.5))
+    handle = serve(port=0, config=ServerConfig(limits=LimitsConfig(max_message_bytes=SMALL_MESSAGES), sessions=SessionsConfig(reconnect_grace=0.5)))
     yield handle
     handle.stop(grace=0.5)
 
@@ -134,7 +135,7 @@ def test_parameters_larger_than_a_message_travel_in_pieces(server):
 
 
 def test_weights_beyond_the_servers_budget_are_refused_and_the_candidate_is_told():
-    small = serve(port=0, config=ServerConfig(weights_budget_bytes=256, reconnect_grace=0.5))  # the model: 432 bytes
+    small = serve(port=0, config=ServerConfig(sync=SyncConfig(weights_budget_bytes=256), sessions=SessionsConfig(reconnect_grace=0.5)))  # the model: 432 bytes
     try:
         base = attach(torch_model(), small, "budget", "torch", baseline=True, share_weights=True)
         with pytest.raises(twinstep.WeightSyncError, match="weights_budget_bytes"):

@@ -132,31 +132,32 @@ class AutoAttach:
 
     def _attach(self, module: Any, optimizer: Any) -> None:
         from twinstep.runtime import settings
-        from twinstep.runtime.api import attach
+        from twinstep.runtime.api import start
 
         model, wrappers = self.probe.unwrap(module)
-        resolved = settings.resolve().values
         taken = self._steps_taken.get(optimizer, 0)
-        resolved["start_step"] += taken  # an optimizer created after the first forward: those steps were missed
+        chosen = settings.resolve().settings
+        # An optimizer created after the first forward: the steps it took before were missed.
+        chosen = chosen.replace(start_step=chosen.capture.start_step + taken)
         try:
-            self.monitor = attach(model, optimizer=optimizer, **resolved)
+            self.monitor = start(model, chosen, optimizer=optimizer)
         except Exception as error:
             self.give_up(f"attach failed: {error}")
             return
         self._optimizer = weakref.ref(optimizer)
         self.probe.remove_discovery()
-        self._report(model, wrappers, optimizer, resolved, taken)
+        self._report(model, wrappers, optimizer, chosen, taken)
 
-    def _report(self, model: Any, wrappers: list[str], optimizer: Any, resolved: dict[str, Any], taken: int) -> None:
-        """One line per process: what was attached, to what, where."""
+    def _report(self, model: Any, wrappers: list[str], optimizer: Any, chosen: Any, taken: int) -> None:
+        """One line per process: what was attached, to what, where (``chosen``: its AttachSettings)."""
         monitor = self.monitor
         params = list(self.probe.parameters(model))
         count = sum(self.probe.numel(p) for p in params)
         where = f"rank {monitor.rank} of {monitor.world_size}, " if monitor.world_size > 1 else ""
         inside = f" inside {', '.join(wrappers)}" if wrappers else ""
-        late = f"; from step {resolved['start_step']} (the optimizer stepped {taken} times before the model was found)" if taken else ""
-        print(f"twinstep: run {monitor.run!r} ({where}{'baseline, ' if resolved['baseline'] else ''}"
-              f"session {monitor.session!r} at {resolved['server']}) attached to {type(model).__name__}{inside}: "
+        late = f"; from step {chosen.capture.start_step} (the optimizer stepped {taken} times before the model was found)" if taken else ""
+        print(f"twinstep: run {monitor.run!r} ({where}{'baseline, ' if chosen.identity.baseline else ''}"
+              f"session {monitor.session!r} at {chosen.connection.server}) attached to {type(model).__name__}{inside}: "
               f"{count:,} parameters in {len(params)} tensors; steps end at {type(optimizer).__name__}.step(){late}",
               file=sys.stderr, flush=True)
 

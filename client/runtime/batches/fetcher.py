@@ -15,6 +15,7 @@ from typing import Callable
 
 import grpc
 
+from twinstep._retry import Backoff, Retry, retry_on
 from twinstep.runtime.batches.publisher import CHANNEL_OPTIONS
 from twinstep.errors import BatchSyncError
 from twinstep.runtime.transport.security import ClientSecurity
@@ -26,6 +27,8 @@ POLL_SECONDS = 2.0
 #: Allowance on top of the server's wait for the RPC's own deadline (transfer of a large batch).
 _TRANSFER_SECONDS = 30.0
 _RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: While the server is away: a try about every half second (the training is waiting for this batch).
+_BACKOFF = Backoff(0.5, 0.5)
 
 
 class Interrupted(Exception):
@@ -48,14 +51,13 @@ class BatchFetcher:
     def fetch(self, step: int, timeout: float, interrupted: Callable[[], bool]) -> pb.PublishedBatch:
         """The baseline's batch of ``step`` for this rank; BatchSyncError when it cannot be had in ``timeout`` s."""
         start = time.monotonic()
-        deadline = start + timeout
+        retry = Retry(_BACKOFF, retryable=retry_on(_RETRY_CODES), timeout=timeout)
         waiting_for = "the server did not answer"
         try:
             while True:
                 if interrupted():
                     raise Interrupted()
-                remaining = deadline - time.monotonic()
-                wait = max(0.0, min(POLL_SECONDS, remaining))
+                wait = min(POLL_SECONDS, retry.remaining())
                 request = pb.BatchRequest(session=self._session, run=self._run, rank=self._rank, step=step,
                                           wait_seconds=wait)
                 try:
@@ -64,17 +66,19 @@ class BatchFetcher:
                 except grpc.RpcError as error:
                     code = error.code() if hasattr(error, "code") else None
                     details = error.details() if hasattr(error, "details") else str(error)
-                    if code not in _RETRY_CODES:
+                    if not retry.retryable(error):
                         raise BatchSyncError(f"twinstep: no baseline batch for step {step} of rank {self._rank} "
                                              f"(session {self._session!r}): {details}") from None
                     waiting_for = f"the server at {self._target} is unreachable ({code.name})"
-                    time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+                    # No wait past the deadline: then the timeout below is raised at once.
+                    retry_now = retry.again(error)
                 else:
                     if reply.ready:
                         self.fetched += 1
                         return reply.batch
                     waiting_for = reply.waiting_for
-                if time.monotonic() >= deadline:
+                    retry_now = True
+                if not retry_now or retry.remaining() <= 0:
                     raise BatchSyncError(
                         f"twinstep: the baseline's batch of step {step} (rank {self._rank}, session "
                         f"{self._session!r}) did not come within {timeout:g} s: {waiting_for}. Is the baseline "

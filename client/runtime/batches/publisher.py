@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from twinstep._retry import Backoff, Retry, retry_on
 from twinstep.runtime.batches import wire
 from twinstep.runtime.transport.ledger import at_fork_in_child
 from twinstep.runtime.transport.security import ClientSecurity
@@ -34,6 +35,7 @@ MAX_QUEUED_BYTES = 1 << 30
 #: Deadline of one PublishBatch, and how long a batch is retried while the server is away.
 _RPC_TIMEOUT = 30.0
 _RETRY_FOR = 60.0
+_BACKOFF = Backoff(0.2, 5.0)
 #: gRPC's default 4 MiB would refuse larger batches; the server accepts up to batch_max_bytes (48 MiB).
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -63,6 +65,7 @@ class BatchPublisher:
         self._queue: deque[tuple[int, Any, int]] = deque()  # (step, captured batch, bytes)
         self._queued_bytes = 0
         self._closing = False
+        self._stop = threading.Event()  # set by close(): ends a retry's wait at once
         self._busy = False
         self._warned: set[str] = set()
         self._thread: threading.Thread | None = None
@@ -73,6 +76,8 @@ class BatchPublisher:
         self._cond = threading.Condition()
         self._queue = deque()
         self._closing = True
+        self._stop = threading.Event()
+        self._stop.set()
         self._thread = None
 
     def publish(self, step: int, captured: Any) -> None:
@@ -99,6 +104,7 @@ class BatchPublisher:
         deadline = time.monotonic() + timeout
         with self._cond:
             self._closing = True
+            self._stop.set()
             self._cond.notify_all()
             while (self._queue or self._busy) and self._thread is not None:
                 remaining = deadline - time.monotonic()
@@ -139,8 +145,7 @@ class BatchPublisher:
     def _send(self, stub: pb_grpc.TwinstepStub, step: int, captured: Any) -> None:
         message = pb.PublishedBatch(session=self._session, run=self._run, rank=self._rank, step=step,
                                     value=wire.to_proto(captured))
-        give_up = time.monotonic() + _RETRY_FOR
-        delay = 0.2
+        retry = Retry(_BACKOFF, retryable=retry_on(_RETRYABLE), timeout=_RETRY_FOR, stop=self._stop)
         while True:
             try:
                 stub.PublishBatch(message, timeout=_RPC_TIMEOUT, metadata=self._security.metadata())
@@ -149,14 +154,14 @@ class BatchPublisher:
                     self.stats.bytes_sent += message.ByteSize()
                 return
             except grpc.RpcError as error:
+                # Once closing, each batch left has one try; close() cutting a wait short gives it that try.
+                if not self._closing and (retry.again(error) or retry.ended == "stopped"):
+                    continue
                 code = error.code() if hasattr(error, "code") else None
-                if code not in _RETRYABLE or time.monotonic() + delay > give_up or self._closing:
-                    reason = "unreachable" if code in _RETRYABLE else "refused"
-                    self._drop(reason, step, f"{code.name if code else 'error'}: "
-                               f"{error.details() if hasattr(error, 'details') else error}")
-                    return
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+                reason = "unreachable" if retry.retryable(error) else "refused"
+                self._drop(reason, step, f"{code.name if code else 'error'}: "
+                           f"{error.details() if hasattr(error, 'details') else error}")
+                return
 
     def _drop(self, reason: str, step: int, detail: str) -> None:
         """Count a batch not delivered; warn once per reason (a candidate waiting for it will time out)."""

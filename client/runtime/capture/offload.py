@@ -2,7 +2,7 @@
 
 Why: on the CPU a statistics pass reads every captured byte once; on the
 training thread that read adds to the step time (about 50 of 70 ms added to
-a 400 ms Llama step, issue 15).  Here the hooks only queue a task (a
+a 400 ms Llama step, measured with benchmarks/overhead.py).  Here the hooks only queue a task (a
 zero-copy host view of the tensor and the function that reduces it); a
 small pool of worker threads runs the tasks while the training goes on.  The
 compiled kernels (twinstep.runtime.kernels) and numpy's reductions release the GIL,

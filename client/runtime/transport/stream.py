@@ -12,7 +12,6 @@ what the broken stream may have lost and the server skips what it already has.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Callable, Iterator
 
 import grpc
 
+from twinstep._retry import Backoff, Retry
 from twinstep.runtime.capture.recorder import StepBatch
 from twinstep.runtime.transport.base import POLL_SECONDS, ClientStats, Sender
 from twinstep.runtime.transport.ledger import DropLedger, at_fork_in_child
@@ -114,6 +114,9 @@ class StreamConfig:
         self.security.validate()
         if self.max_queue_steps < 1:
             raise ValueError("max_queue_steps must be at least 1")
+        if not 0 < self.backoff_initial <= self.backoff_max:
+            raise ValueError(f"backoff_initial must be above 0 and at most backoff_max ({self.backoff_max}), "
+                             f"got {self.backoff_initial}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {self.compression!r}")
         if not 1024 <= self.piece_bytes <= self.max_message_bytes // 2:
@@ -291,7 +294,11 @@ class StreamClient(Sender):
     # -- worker thread --------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = self._config.backoff_initial
+        # Reconnects until closed (no deadline): jittered, doubling up to backoff_max; close() cuts a wait short.
+        initial = self._config.backoff_initial
+        retry = Retry(Backoff(initial, self._config.backoff_max), stop=self._wake)
+        # While closing with steps queued: short waits (at most 1 s), until close()'s timeout sets _stopped.
+        flush = Retry(Backoff(min(initial, 1.0), 1.0), stop=self._stopped)
         final_attempt = False
         options = [
             # Tensor-mode steps are large: raise gRPC's 4 MiB default both ways.
@@ -315,7 +322,8 @@ class StreamClient(Sender):
                         self._call = call
                     for response in call:
                         if self._handle(response):
-                            backoff = self._config.backoff_initial
+                            retry.reset()
+                            flush.reset()
                 if self._finished.is_set():
                     return
             except grpc.RpcError as error:
@@ -358,11 +366,9 @@ class StreamClient(Sender):
                 final_attempt = True
                 # Steps are still queued: keep trying until close()'s timeout ends the flush (a server
                 # restarting or a link coming back within it loses nothing).
-                self._stopped.wait(min(backoff, 1.0) * random.uniform(0.8, 1.2))
-                backoff = min(backoff * 2, self._config.backoff_max)
+                flush.again()
             else:
-                self._wake.wait(backoff * random.uniform(0.8, 1.2))
-                backoff = min(backoff * 2, self._config.backoff_max)
+                retry.again()
             self.stats.reconnects += 1
 
     def _handle(self, response: pb.ServerMessage) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import grpc
 import numpy as np
 
+from twinstep._retry import Backoff, Retry, retry_unless, status_code
 from twinstep.runtime.capture.base import CaptureBackend
 from twinstep.wire.codec import DTYPE_TO_WIRE
 from twinstep.runtime.transport.security import ClientSecurity, explain
@@ -32,8 +33,8 @@ logger = logging.getLogger("twinstep")
 
 #: Longest the uploader keeps trying to reach the server.
 GIVE_UP_SECONDS = 600.0
-_BACKOFF_INITIAL, _BACKOFF_MAX = 0.5, 10.0
-#: Refusals no retry can change.
+_BACKOFF = Backoff(0.5, 10.0)
+#: Refusals no retry can change; any other error is retried.
 _FATAL = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
                     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED})
@@ -59,6 +60,7 @@ class WeightPublisher:
         self._security = security
         self._compress = compress
         self._stop = threading.Event()
+        self._warned = False
         self._call: Any = None
         self._lock = threading.Lock()
         self.done = threading.Event()
@@ -90,15 +92,14 @@ class WeightPublisher:
             self.done.set()
 
     def _upload_with_retries(self) -> None:
-        give_up = time.monotonic() + GIVE_UP_SECONDS
-        backoff = _BACKOFF_INITIAL
-        warned = False
+        retry = Retry(_BACKOFF, retryable=retry_unless(_FATAL), timeout=GIVE_UP_SECONDS, stop=self._stop,
+                      on_retry=self._warn_once)
         while not self._stop.is_set():
             started = time.monotonic()
             try:
                 with self._security.channel(self._target) as channel:
                     call = pb_grpc.TwinstepStub(channel).PublishWeights.future(
-                        self._messages(), timeout=max(1.0, give_up - time.monotonic()),
+                        self._messages(), timeout=max(1.0, retry.remaining()),
                         metadata=self._security.metadata(), wait_for_ready=True)
                     with self._lock:
                         self._call = call
@@ -111,24 +112,28 @@ class WeightPublisher:
                             reply.parameters, reply.bytes / 2**20, seconds, reply.bytes / 2**20 / max(seconds, 1e-9))
                 return
             except grpc.RpcError as error:
-                code = error.code() if hasattr(error, "code") else None
-                details = (error.details() if hasattr(error, "details") else "") or str(error)
+                code = status_code(error)
                 if code == grpc.StatusCode.CANCELLED and self._stop.is_set():
                     return
-                if code in _FATAL or time.monotonic() + backoff > give_up:
+                if retry.again(error):  # a refusal, the deadline or close() says no; close() ends a wait at once
+                    continue
+                if retry.ended != "stopped":
                     logger.warning("twinstep: the server refused the initial weights (%s: %s); candidates with "
-                                   "init_from_baseline will not get them", code.name if code else "error", details)
-                    return
-                if not warned:
-                    warned = True
-                    logger.warning("twinstep: cannot share the initial weights yet (%s%s); retrying in the background",
-                                   details, explain(details, self._security.uses_tls(self._target)))
+                                   "init_from_baseline will not get them", code.name if code else "error",
+                                   _details(error))
+                return
             finally:
                 with self._lock:
                     self._call = None
-            if self._stop.wait(backoff):
-                return
-            backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def _warn_once(self, error: BaseException | None, delay: float) -> None:
+        """Before the first retry: one warning (the later ones are silent until the upload ends)."""
+        if self._warned or error is None:
+            return
+        self._warned = True
+        details = _details(error)
+        logger.warning("twinstep: cannot share the initial weights yet (%s%s); retrying in the background",
+                       details, explain(details, self._security.uses_tls(self._target)))
 
     def _messages(self) -> Iterator[pb.WeightsUpload]:
         yield pb.WeightsUpload(header=self._header)
@@ -137,3 +142,7 @@ class WeightPublisher:
                 if self._stop.is_set():
                     return
                 yield pb.WeightsUpload(piece=piece)
+
+
+def _details(error: BaseException) -> str:
+    return (error.details() if hasattr(error, "details") else "") or str(error)

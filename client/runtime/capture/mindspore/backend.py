@@ -59,7 +59,7 @@ def check_pynative() -> None:
             "twinstep captures MindSpore models in PyNative mode only: GRAPH_MODE compiles the whole network "
             "and runs no Python hook, so nothing would be captured. Call "
             "mindspore.set_context(mode=mindspore.PYNATIVE_MODE) before attach (jit-compiled cells inside a "
-            "PyNative model are captured as one module: their outputs, not their insides; README 'MindSpore')")
+            "PyNative model are captured as one module: their outputs, not their insides; docs/mindspore.md)")
 
 
 def _dtype_name(tensor: mindspore.Tensor) -> str | None:

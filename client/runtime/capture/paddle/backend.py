@@ -206,7 +206,7 @@ class PaddleBackend(CaptureBackend):
 
     def float32_matmul_precision(self) -> str:
         # Paddle multiplies float32 matrices with TF32 on Ampere and newer GPUs unless
-        # NVIDIA_TF32_OVERRIDE=0 (the seeds' advice for alignment runs).
+        # NVIDIA_TF32_OVERRIDE=0 (porting guides' advice for alignment runs).
         if not paddle.is_compiled_with_cuda() or not paddle.device.get_device().startswith("gpu"):
             return "fp32"
         return "fp32" if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0" else "tf32"

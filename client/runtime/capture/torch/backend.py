@@ -199,7 +199,7 @@ class TorchBackend(CaptureBackend):
 
     def float32_matmul_precision(self) -> str:
         # torch's switch for cuBLAS matmuls ("high"/"medium" allow TF32); NVIDIA_TF32_OVERRIDE=0
-        # (the seeds' advice for alignment runs) turns TF32 off below the framework.
+        # (porting guides' advice for alignment runs) turns TF32 off below the framework.
         if not torch.cuda.is_available() or os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
             return "fp32"
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"

@@ -1,0 +1,262 @@
+"""The compare pipeline of one session: align the runs' steps, compare the pairs, keep what detection needs.
+
+A step goes in per rank (twinstep.server.align.window lines it up with the
+other runs' same step); each pair that is ready is compared under the
+candidate's mapping (twinstep.server.compare), then fed to detection
+(twinstep.server.detect: first divergence, headroom, noise bands, long-run
+drift) and to the dashboard's history.  A candidate's step waits until every
+reference rerun has passed it, so its comparison sees the references' noise band.
+
+State only: the session core calls it under its coordinator's lock; what it
+has to say (errors, a mapping proposed) goes to the core's hooks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from twinstep.server.align.coverage import CoverageLedger
+from twinstep.server.align.window import RankAligner
+from twinstep.server.compare.comparator import CompareContext, StepComparison, compare_step
+from twinstep.server.compare.join import RecordLabel
+from twinstep.server.compare.mapping_resolver import MappingResolver
+from twinstep.server.compare.plan import PlanCache
+from twinstep.server.config import ServerConfig
+from twinstep.server.control import TensorStepLedger
+from twinstep.server.detect.coverage import describe_coverage
+from twinstep.server.detect.drift import LongRunTracker
+from twinstep.server.detect.first_divergence import Candidate, FirstDivergenceTracker
+from twinstep.server.detect.gaps import Side, find_gaps
+from twinstep.server.detect.headroom import HeadroomTracker
+from twinstep.server.detect.noise import NoiseBands
+from twinstep.server.detect.records import NamedRecordTracker
+from twinstep.server.detect.stage_errors import StageErrors
+from twinstep.server.ingest.step import StepData
+from twinstep.server.runs.membership import ENDED, Membership, RunState
+from twinstep.server.view.history import SessionHistory
+from twinstep.v1 import twinstep_pb2 as pb
+
+if TYPE_CHECKING:
+    from twinstep.server.session.actions import Actions
+
+MAX_LISTED = 200
+"""Unmatched names and errors a report lists at most."""
+
+
+class ComparePipeline:
+    """Alignment windows per rank, the comparisons, and detection's bookkeeping."""
+
+    def __init__(self, name: str, config: ServerConfig, members: Membership, coverage: CoverageLedger,
+                 mappings: MappingResolver, on_error: Callable[[str, "Actions"], None],
+                 on_mapping_proposed: Callable[["Actions"], None]) -> None:
+        self.name = name
+        self.config = config
+        self.members = members
+        self.coverage = coverage
+        self.mappings = mappings
+        self._on_error = on_error
+        self._on_mapping_proposed = on_mapping_proposed  # modules matched automatically pair more set-up values
+        self.aligners: dict[int, RankAligner] = {}
+        self.plans = PlanCache()
+        self.tracker = FirstDivergenceTracker(trace_origins=config.diagnosis.trace_origins, tolerances=config.tolerances)
+        self.noise = NoiseBands(config.comparison.noise_multiple, config.comparison.noise_floor)
+        self.long_run = LongRunTracker(config.comparison.drift_window)
+        self.headroom = HeadroomTracker()
+        self.history = SessionHistory(name, config.dashboard.history_steps, config.dashboard.history_rows, config.comparison.noise_multiple)
+        """The dashboard's bounded heatmap and curves (twinstep.server.view); read by copying under the lock."""
+        self.stage_errors = StageErrors()
+        """The latest compared step's worst error per phase, for live views (Progress.stages)."""
+        self.named_records = NamedRecordTracker()
+        """Per candidate and name: the values the runs named (Monitor.record), for the report's own section."""
+        self.tensor_steps = TensorStepLedger()
+        """Which compared steps carried full tensors, per candidate rank (what a zoom really brought)."""
+        self.last_comparison: StepComparison | None = None
+        self.unmatched_baseline: dict[RecordLabel, None] = {}
+        self.unmatched_candidate: dict[RecordLabel, None] = {}
+        self._deferred: dict[int, list] = {}
+
+    @property
+    def runs(self) -> dict[str, RunState]:
+        return self.members.runs
+
+    # -- steps in, pairs compared ------------------------------------------------------------------
+
+    def aligner(self, rank: int) -> RankAligner:
+        aligner = self.aligners.get(rank)
+        if aligner is None:
+            aligner = self.aligners[rank] = RankAligner(rank, self.config.window.steps, self.config.window.bytes)
+        return aligner
+
+    def add(self, run: str, rank: int, data: StepData, out: "Actions") -> None:
+        """A decoded step of ``run``: line it up, compare what is ready (what it says goes to ``out``)."""
+        aligner = self.aligner(rank)
+        pairs = aligner.add(run, data, self.members.baseline, self.members.compared_runs,
+                            keep_baseline=not self.members.candidates)
+        for run_name in self.runs:
+            dropped = aligner.take_dropped_steps(run_name)
+            if dropped:
+                self.coverage.server_dropped(run_name, rank, dropped)
+        self._deferred.setdefault(rank, []).extend(pairs)
+        self.run_deferred(rank, out)
+
+    def rank_ended(self, run: str, rank: int, out: "Actions") -> None:
+        """A rank's stream ended for good: release what can no longer match, compare what is ready."""
+        self.aligner(rank).finish(run, self.members.baseline, self.members.compared_runs,
+                                  not self.members.candidates)
+        self.run_deferred(rank, out)
+
+    def run_deferred(self, rank: int, out: "Actions") -> None:
+        """Compare what is ready; a candidate step waits until every reference has passed it."""
+        waiting = []
+        deferred = self._deferred.get(rank, [])
+        # References first (stable: steps stay in order), so a candidate's step sees its band.
+        deferred.sort(key=lambda pair: not self.runs[pair[0]].reference)
+        for run, base_step, other_step in deferred:
+            if not self.runs[run].reference and len(deferred) <= self.config.window.steps:
+                behind = [ref for ref in self.members.references
+                          if self.runs[ref].effective_step(rank) < base_step.step]
+                if behind:
+                    waiting.append((run, base_step, other_step))
+                    continue
+            self._compare(run, base_step, other_step, out)
+        self._deferred[rank] = waiting
+
+    def _compare(self, candidate_run: str, base_step, cand_step, out: "Actions") -> None:
+        base_run, cand_run = self.runs[self.members.baseline or ""], self.runs[candidate_run]
+        ctx = CompareContext(
+            base_framework=base_run.framework,
+            cand_framework=cand_run.framework,
+            candidate_run=candidate_run,
+            tolerances=self.config.tolerances,
+            mapping=self.mapping_for(candidate_run, cand_step.rank),
+            noise=None if cand_run.reference or not self.members.references else self.noise,
+            tf32="tf32" in (base_run.precision, cand_run.precision),
+            plans=self.plans,
+        )
+        comparison = compare_step(base_step, cand_step, ctx)
+        self.coverage.compared(candidate_run, cand_step.rank, cand_step.step)
+        self.tensor_steps.observe(comparison, base_step, cand_step)
+        if self.mappings.wants_proposal(candidate_run, bool(comparison.unmatched_candidate)):
+            self.mappings.propose(self.name, candidate_run, base_step, cand_step,
+                                  _forward_names(comparison.unmatched_baseline),
+                                  _forward_names(comparison.unmatched_candidate))
+            ctx.mapping = self.mapping_for(candidate_run, cand_step.rank)
+            comparison = compare_step(base_step, cand_step, ctx)
+            self._on_mapping_proposed(out)
+        if not cand_run.reference:
+            self.named_records.add(comparison, base_step, cand_step)
+        self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
+        self.history.add(candidate_run, cand_run.reference, comparison, base_step, cand_step)
+        if cand_run.reference:
+            self.noise.add(comparison)
+            return
+        self._detect(comparison, out)
+
+    def mapping_for(self, run: str, rank: int):
+        """The names ``run``'s rank compares under (a user's mapping, or one proposed for it)."""
+        manifest = self.runs[run].ranks[rank].manifest
+        return self.mappings.for_run(run, rank, lambda: {n: t for n, t in manifest.modules.values()},
+                                     len(manifest.modules))
+
+    def _detect(self, comparison: StepComparison, out: "Actions") -> None:
+        self.tracker.add(comparison)
+        self.headroom.add(comparison)
+        self.stage_errors.add(comparison)
+        self.last_comparison = comparison
+        for name in comparison.unmatched_baseline:
+            if len(self.unmatched_baseline) < MAX_LISTED:
+                self.unmatched_baseline[name] = None
+        for name in comparison.unmatched_candidate:
+            if len(self.unmatched_candidate) < MAX_LISTED:
+                self.unmatched_candidate[name] = None
+        for error in comparison.errors:
+            self._on_error(error, out)
+
+    # -- declaring --------------------------------------------------------------------------------
+
+    def declare(self) -> list[Candidate]:
+        """Declare divergences no earlier one can precede any more."""
+        baseline = self.members.baseline
+        if baseline is None:
+            return []
+        base = self.runs[baseline]
+        # Candidate steps wait for the references' noise bands, so references bound the frontier too.
+        references = [self.runs[name] for name in self.members.references]
+        frontier: dict[str, float] = {}
+        for name in self.members.candidates:
+            cand = self.runs[name]
+            ranks = range(min(base.world_size, cand.world_size))
+            frontier[name] = min(
+                (min([base.effective_step(r), cand.effective_step(r)] + [ref.effective_step(r) for ref in references])
+                 for r in ranks),
+                default=-1,
+            )
+        declared = self.tracker.declare(frontier)
+        for found in declared:
+            found.gaps_before, found.gaps_unlisted = self._gaps_before(found)
+        return declared
+
+    def _gaps_before(self, found: Candidate) -> tuple[list[pb.Gap], int]:
+        """Uncompared steps before a divergence, on every rank."""
+        comparison = found.comparison
+        gaps: list[pb.Gap] = []
+        unlisted = 0
+        for rank in self.compared_ranks(comparison.candidate_run):
+            base, cand = self.sides(comparison.candidate_run, rank)
+            more, extra = find_gaps(self.coverage, base, cand, rank, comparison.step, found.row.phase)
+            gaps.extend(more)
+            unlisted += extra
+        return gaps, unlisted
+
+    def compared_ranks(self, candidate: str) -> range:
+        base = self.runs.get(self.members.baseline or "")
+        cand = self.runs.get(candidate)
+        if base is None or cand is None:
+            return range(0)
+        return range(min(base.world_size, cand.world_size))
+
+    def sides(self, candidate: str, rank: int) -> tuple[Side, Side]:
+        """The baseline and a candidate as the gap finder sees them, for one rank."""
+        out = []
+        for name in (self.members.baseline or "", candidate):
+            state = self.runs[name].ranks.get(rank)
+            out.append(Side(name, self.coverage.rank(name, rank), state is not None and state.state in ENDED))
+        return out[0], out[1]
+
+    # -- what it holds ------------------------------------------------------------------------------
+
+    def coverage_of(self, candidate: str) -> pb.Coverage:
+        """What the comparison of ``candidate`` covered so far, and its gaps."""
+        sides = [(rank, *self.sides(candidate, rank)) for rank in self.compared_ranks(candidate)]
+        return describe_coverage(self.coverage, candidate, sides, self.tracker.steps_compared_by(candidate))
+
+    def dropped_by_reason(self, run: RunState) -> dict[str, int]:
+        """Steps of ``run`` lost on its clients (by their reason) or on this server."""
+        totals: dict[str, int] = {}
+        for state in run.ranks.values():
+            for reason, count in state.client_dropped.items():
+                totals[reason] = totals.get(reason, 0) + count
+        for aligner in self.aligners.values():
+            window, unmatched = aligner.dropped_parts(run.name)
+            if window:
+                totals["server_window"] = totals.get("server_window", 0) + window
+            if unmatched:
+                totals["unmatched"] = totals.get("unmatched", 0) + unmatched
+        return {reason: count for reason, count in totals.items() if count}
+
+    def steps_compared(self) -> int:
+        world = max((run.world_size for run in self.runs.values()), default=1)
+        if self.members.baseline is not None:
+            world = self.runs[self.members.baseline].world_size
+        return self.tracker.steps_compared(world)
+
+    def held_bytes(self) -> int:
+        return sum(aligner.held_bytes() for aligner in self.aligners.values())
+
+    def release_all(self) -> int:
+        return sum(aligner.release_all() for aligner in self.aligners.values())
+
+
+def _forward_names(labels: list[RecordLabel]) -> set[str]:
+    """Module names of the forward records among ``labels`` ("" is the model's root)."""
+    return {label.name for label in labels if label.phase == "forward"}
