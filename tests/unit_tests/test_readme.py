@@ -22,7 +22,9 @@ def test_config_example_loads(tmp_path, caplog):
     path.write_text(block)
     with caplog.at_level("WARNING"):
         config = load_config(path)
-    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    # Only the loader's own warnings count: a server thread left by an earlier test may still log.
+    loader = [r for r in caplog.records if r.levelname == "WARNING" and r.module in ("_settings", "config")]
+    assert not loader, caplog.text
     assert config.halt.on_divergence is True
     assert config.mapping.to_baseline("decoder.final_layernorm.weight") == "norm.weight"
     assert config.mapping.to_baseline("model.decoder.layers.3.mlp") == "layers.3.mlp"
