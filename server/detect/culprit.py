@@ -31,7 +31,13 @@ def growth_factors(comparison: StepComparison) -> dict[tuple[str, int, int], flo
 
 
 def explain(row: Row, comparison: StepComparison) -> str:
-    """The culprit of a forward first divergence in words ("" for other phases or no input)."""
+    """The culprit of a forward first divergence in words ("" for other phases, no input, or no evidence).
+
+    Each sentence states only what the rows show: "creates the error" needs an input within tolerance and an
+    output over it; "inherited from the data" an input that differs on the first module to run in the step;
+    "functional operations in the parent's forward" an input that differs after a module that ran before it
+    and matched (the divergence is the step's first).
+    """
     if row.phase != "forward":
         return ""
     k_out = comparison.rows.index(row)
@@ -42,18 +48,27 @@ def explain(row: Row, comparison: StepComparison) -> str:
     if k_in is None:
         return ""
     metric = row.metric
-    out_value = float(comparison.values[metric][k_out])
-    in_value = float(comparison.values[metric][k_in])
     name = row.name or "(model)"
     input_row = comparison.rows[k_in]
     if not input_row.divergent:
+        if not row.value > row.tolerance:
+            return ""
+        values = comparison.values.get(metric)
+        out_value = float(values[k_out]) if values is not None else row.value
+        in_value = float(values[k_in]) if values is not None else input_row.value
         growth = f"x{out_value / in_value:.3g}" if in_value > 0 else "from exactly 0"
         return (
             f"origin: {name} ({row.type}) creates the error: its input matches ({metric} {in_value:.3g}) and its "
             f"output does not ({metric} {out_value:.3g} > {row.tolerance:.3g}), growth {growth}"
         )
+    differs = f"({input_row.metric} {input_row.value:.3g} > {input_row.tolerance:.3g})"
+    first_to_run = next((r for r in comparison.rows if r.phase == "forward"), None) is row
+    if first_to_run:
+        return (
+            f"inherited from the data: the input of {name}, the first module to run in step {comparison.step}, "
+            f"already differs {differs}: the runs were fed different inputs"
+        )
     return (
-        f"inherited: the input of {name} already differs ({input_row.metric} {input_row.value:.3g} > "
-        f"{input_row.tolerance:.3g}); the error arises before it, in code no hooked module covers "
-        "(functional operations in the parent's forward)"
+        f"inherited: the input of {name} already differs {differs}; the error arises before it, in code no "
+        "hooked module covers (functional operations in the parent's forward)"
     )

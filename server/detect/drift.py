@@ -21,6 +21,12 @@ from twinstep.v1 import twinstep_pb2 as pb
 FIRST_LOSS_ABS, FIRST_LOSS_REL = 0.005, 0.005
 MEAN_LOSS_ABS, MEAN_LOSS_REL = 0.01, 0.01
 GRAD_NORM_MEAN_REL = 0.10
+#: The sign of the loss error is worth a sentence only when the error is at least this share of the mean loss
+#: error's limit (by the looser of its absolute and relative readings, as the criterion judges it), over at
+#: least BIAS_MIN_STEPS steps: a faithful float32 port's 1e-7 (1e-5 of the limit, or exactly 0) has a sign that
+#: says nothing; a twentieth of the limit (5e-4 on a loss of order 1) is ~1000x over float32 rounding.
+BIAS_PREMISE = 0.05
+BIAS_MIN_STEPS = 3
 
 
 def loss_and_grad_norm(data: StepData) -> tuple[float, float]:
@@ -86,10 +92,12 @@ class LongRunTracker:
         if math.isfinite(out.grad_norm_mean_rel):
             verdicts.append(_verdict("global grad norm", out.grad_norm_mean_rel <= GRAD_NORM_MEAN_REL,
                                      f"mean relative error {100 * out.grad_norm_mean_rel:.3g}% (limit 10%)"))
-        if out.loss_mean_abs > 0:
+        share = loss_error_share(out.loss_mean_abs, out.loss_mean_rel)
+        with_loss = int(np.count_nonzero(~np.isnan(rows[:, 1] - rows[:, 0])))
+        if share >= BIAS_PREMISE and with_loss >= BIAS_MIN_STEPS:
             bias = abs(out.loss_mean_signed) / out.loss_mean_abs
             verdicts.append(f"loss error {'oscillates around 0' if bias < 0.5 else 'is biased to one side'} "
-                            f"(mean signed / mean absolute = {bias:.2f})")
+                            f"(mean signed / mean absolute = {bias:.2f}; mean |Δ| at {share:.2f} of its limit)")
         ref = self._series.get(reference) if reference else None
         if ref is not None and ref.steps:
             _, ref_rows = ref.arrays(self.window)
@@ -102,6 +110,12 @@ class LongRunTracker:
                                          f"{out.reference_loss_mean_abs:.3g}"))
         out.verdicts.extend(verdicts)
         return out
+
+
+def loss_error_share(mean_abs: float, mean_rel: float) -> float:
+    """The mean loss error as a share of its limit (0.01 absolute or 1% relative: the looser reading); 0 for NaN."""
+    share = min(mean_abs / MEAN_LOSS_ABS, mean_rel / MEAN_LOSS_REL)
+    return 0.0 if math.isnan(share) else share
 
 
 def _abs_rel(base, other):

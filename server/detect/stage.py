@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING
 
 from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.wire.phases import STEP_ORDER, step_position
 
 if TYPE_CHECKING:
     from twinstep.server.detect.origin import Origin
@@ -22,9 +23,19 @@ if TYPE_CHECKING:
 _COMMON_FACTOR = 1e-3  # relative spread under which per-tensor scales count as one factor
 
 
+#: Closest approach of the parameters to their tolerance, after the step before, from which a difference
+#: too small to flag is worth naming as what may have grown into the divergence.  Faithful float32 ports stay
+#: near 1e-3 of the default tolerances; 0.01 is ten times that, and never prints as "0.00 of it".
+PARAM_GROWTH_PREMISE = 0.01
+
+
 def describe(row: Row, comparison: StepComparison, previous_params: tuple[float, str] | None = None) -> str:
-    text = _describe(row, comparison)
-    if comparison.step > 0 and row.phase in ("forward", "backward", "grad") and previous_params and not text.startswith("data"):
+    """The stage in words; every clause says only what the rows of ``comparison`` (and the parameters' closest
+    approach to tolerance after the step before, ``previous_params``: ratio, name) show."""
+    text = _describe(row, comparison, previous_params)
+    if (comparison.step > 0 and row.phase in ("forward", "backward", "grad") and previous_params is not None
+            and not text.startswith("data") and " by the same factor " not in text
+            and PARAM_GROWTH_PREMISE <= previous_params[0] <= 1.0):
         ratio, param = previous_params
         text += (
             f". Parameters after step {comparison.step - 1} were within tolerance, at up to {ratio:.2f} of it "
@@ -76,7 +87,7 @@ def _describe_record(row: Row, comparison: StepComparison) -> str:
     return (f"{kind}: the named value {row.name!r} differs at step {step} while {before} matched; {hint}")
 
 
-def _describe(row: Row, comparison: StepComparison) -> str:
+def _describe(row: Row, comparison: StepComparison, previous_params: tuple[float, str] | None = None) -> str:
     name = row.name or "(model)"
     step = comparison.step
     if row.phase == "record":
@@ -84,62 +95,105 @@ def _describe(row: Row, comparison: StepComparison) -> str:
     in_phase = [r for r in comparison.rows if r.phase == row.phase]
     divergent = [r for r in in_phase if r.divergent]
     if row.phase == "forward":
-        if step > 0 and in_phase and in_phase[0] is row:
-            return (
-                f"data: step {step} differs from its very first module ({name}) while every earlier step, "
-                f"and the weights after step {step - 1}, matched: the candidate was fed different inputs "
-                "(batch order, shuffling, preprocessing)"
-            )
-        if step > 0:
-            return (
-                f"forward at step {step}: every earlier record was within tolerance, yet {name} ({row.type}) "
-                "differs: a data-dependent difference in that module, or an earlier difference that grew"
-            )
-        return (
-            f"forward: {name} ({row.type}) is the first module whose output differs on identical weights and "
-            "inputs; check its implementation (activation variant, epsilon, scaling, rotary base, dropout, layout)"
-        )
+        return _describe_forward(row, comparison, in_phase, previous_params)
     if row.phase == "loss":
-        return "loss: the model outputs matched but the loss differs; check the loss function, its reduction and label handling"
+        # One scalar always has a ratio: it is given as a figure, not as evidence of a scaled loss.
+        ratio = f" (candidate x{row.scale:.4g} of the baseline's)" if abs(row.scale - 1.0) > _COMMON_FACTOR else ""
+        return (f"loss: {_lead(_matched(comparison, 'loss'))}the loss differs{ratio}; check the loss function, its "
+                "reduction (sum or mean, a divisor such as accumulation steps) and label handling")
     if row.phase == "backward":
-        position = in_phase.index(row)
-        after = in_phase[position - 1].name if position > 0 else None
-        where = f"between the output gradients of {after or '(model)'!r} (matches) and {name!r} (differs)"
-        return (
-            f"backward: forward and loss matched; the first gradient that differs is {where}: check the backward "
-            "of the code in between (a custom backward, detach, in-place ops)"
-        )
-    if row.phase == "grad":
+        before = _matched(comparison, "backward")
         factor = _common_factor(divergent)
-        if factor is not None and len(divergent) == len(in_phase):
+        if factor is not None and len(divergent) == len(in_phase) and len(in_phase) > 1:
             return (
-                f"backward: output gradients matched, every parameter gradient differs by the same factor "
-                f"x{factor:.4g}: gradient clipping or loss scaling on one side"
+                f"backward: {_lead(before)}every output gradient differs by the same "
+                f"factor x{factor:.4g} ({len(in_phase)} of {len(in_phase)}): the loss scaled on one side before "
+                "backward (a loss divided by accumulation steps or a world size, loss scaling not undone)"
+            )
+        position = in_phase.index(row)
+        if position == 0:
+            where = (f"the output gradient of {name!r}, the first one backward produces: check what lies between "
+                     "it and the loss (the loss's backward and scaling, functional code after it)")
+        else:
+            where = (f"between the output gradients of {in_phase[position - 1].name or '(model)'!r} (matches) and "
+                     f"{name!r} (differs): check the backward of the code in between (a custom backward, detach, "
+                     "in-place ops)")
+        return f"backward: {_lead(before)}the first gradient that differs is {where}"
+    if row.phase == "grad":
+        before = _matched(comparison, "grad")
+        factor = _common_factor(divergent)
+        if factor is not None and len(divergent) == len(in_phase) and len(in_phase) > 1:
+            return (
+                f"backward: {_lead(before)}every parameter gradient differs by the same "
+                f"factor x{factor:.4g} ({len(in_phase)} of {len(in_phase)}): gradient clipping or loss scaling on "
+                "one side"
             )
         return (
-            f"backward: output gradients matched but the gradient of parameter {name} differs: check how that "
-            "parameter is used (weight tying, gradient hooks, a custom backward)"
+            f"backward: {_lead(before)}the gradient of parameter {name} differs: check "
+            "how that parameter is used (weight tying, gradient hooks, a custom backward)"
         )
     if row.phase == "param":
-        matrices = [r for r in divergent if r.ndim >= 2]
-        if not matrices:
-            kind = "only 1-D parameters (norm weights, biases)"
-            hint = ("weight decay applied to parameters the baseline exempts (or the reverse), or the "
-                    "optimizer's epsilon if their gradients are tiny")
-        elif len(divergent) == len(in_phase) or len(divergent) >= 0.9 * len(in_phase):
-            kind = f"{len(divergent)} of {len(in_phase)} parameters"
-            hint = "learning rate, schedule, betas or epsilon"
-            zero_init = _common_factor([r for r in divergent if r.ndim == 1 and abs(r.scale - 1.0) > _COMMON_FACTOR])
-            if step == 0 and zero_init is not None:
-                hint = f"learning rate (zero-initialised parameters moved x{zero_init:.4g} as far in the first update)"
-        else:
-            kind = f"{len(divergent)} of {len(in_phase)} parameters"
-            hint = ("per-parameter-group settings (learning rate, weight decay, clipping of some groups), or the "
-                    "optimizer's epsilon, which moves first the parameters whose gradients are tiny")
-        return (
-            f"optimizer: forward and gradients matched; after the update {kind} differ, first {name}: check {hint}"
-        )
+        return _describe_param(row, comparison, in_phase, divergent)
     return row.phase
+
+
+def _describe_forward(row: Row, comparison: StepComparison, in_phase: list[Row],
+                      previous_params: tuple[float, str] | None) -> str:
+    """Data, inherited or the module's own: by where the module ran in the step and its captured input."""
+    name, step = row.name or "(model)", comparison.step
+    seen = _input_row(row, comparison)
+    input_differs = seen is not None and seen.divergent
+    first_to_run = bool(in_phase) and in_phase[0] is row
+    if first_to_run and (input_differs or (step > 0 and seen is None)):
+        evidence = (f", whose input already differs ({seen.metric} {seen.value:.3g} > {seen.tolerance:.3g})"
+                    if input_differs else "")
+        weights = (f", and the weights after step {step - 1}," if previous_params is not None
+                   and previous_params[0] <= 1.0 else "")
+        earlier = f" while every earlier step{weights} matched" if step else ""
+        return (
+            f"data: step {step} differs from its very first module ({name}){evidence}{earlier}: the candidate was "
+            "fed different inputs (batch order, shuffling, preprocessing)"
+        )
+    if input_differs:
+        return (
+            f"forward{f' at step {step}' if step else ''}: {name} ({row.type}) is the first module whose output "
+            f"differs, and its input already differs ({seen.metric} {seen.value:.3g} > {seen.tolerance:.3g}): the "
+            "error arises before it, in code between the hooked modules"
+        )
+    evidence = " while its input matches" if seen is not None else ""
+    if step > 0:
+        return (
+            f"forward at step {step}: every earlier record was within tolerance, yet {name} ({row.type}) "
+            f"differs{evidence}: a data-dependent difference in that module, or an earlier difference that grew"
+        )
+    inputs = ("its input matches" if seen is not None else
+              "the first module to run; its input is not compared" if first_to_run else
+              "every module that ran before it matches")
+    return (
+        f"forward: {name} ({row.type}) is the first module whose output differs ({inputs}); check its "
+        "implementation (activation variant, epsilon, scaling, rotary base, dropout, layout)"
+    )
+
+
+def _describe_param(row: Row, comparison: StepComparison, in_phase: list[Row], divergent: list[Row]) -> str:
+    name, step = row.name or "(model)", comparison.step
+    matrices = [r for r in divergent if r.ndim >= 2]
+    if not matrices:
+        kind = "only 1-D parameters (norm weights, biases)"
+        hint = ("weight decay applied to parameters the baseline exempts (or the reverse), or the "
+                "optimizer's epsilon if their gradients are tiny")
+    elif len(divergent) >= 0.9 * len(in_phase):
+        kind = f"{len(divergent)} of {len(in_phase)} parameters"
+        hint = "learning rate, schedule, betas or epsilon"
+        zero_init = _common_factor([r for r in divergent if r.ndim == 1 and abs(r.scale - 1.0) > _COMMON_FACTOR])
+        if step == 0 and zero_init is not None:
+            hint = f"learning rate (zero-initialised parameters moved x{zero_init:.4g} as far in the first update)"
+    else:
+        kind = f"{len(divergent)} of {len(in_phase)} parameters"
+        hint = ("per-parameter-group settings (learning rate, weight decay, clipping of some groups), or the "
+                "optimizer's epsilon, which moves first the parameters whose gradients are tiny")
+    before = _matched(comparison, "param")
+    return f"optimizer: {_lead(before)}after the update {kind} differ, first {name}: check {hint}"
 
 
 def describe_origin(origin: "Origin") -> str:
@@ -164,6 +218,30 @@ def describe_origin(origin: "Origin") -> str:
                 "per-parameter-group settings (learning rate, weight decay, clipping of some groups)")
     return (f"optimizer: traced back to the update of step {step}: {kind} moved away from the baseline, first "
             f"{row.name}, under every flat tolerance ({origin.evidence}): check {hint}")
+
+
+_PHASE_WORDS = {"forward": "forward", "loss": "loss", "backward": "output gradients", "grad": "parameter gradients"}
+
+
+def _matched(comparison: StepComparison, phase: str) -> str:
+    """"forward and loss matched": the phases before ``phase`` this step compared (all within tolerance, since
+    the divergence comes after them); "" when it compared none of them."""
+    earlier = STEP_ORDER[:step_position(phase)]
+    present = [_PHASE_WORDS[p] for p in earlier if any(r.phase == p for r in comparison.rows)]
+    if not present:
+        return ""
+    words = present[0] if len(present) == 1 else ", ".join(present[:-1]) + " and " + present[-1]
+    return f"{words} matched"
+
+
+def _lead(matched: str) -> str:
+    return f"{matched}; " if matched else ""
+
+
+def _input_row(row: Row, comparison: StepComparison) -> Row | None:
+    """The captured input of a forward row's module call, if any."""
+    return next((r for r in comparison.rows if r.phase == "input" and r.name == row.name
+                 and r.call_index == row.call_index), None)
 
 
 def _common_factor(rows: list[Row]) -> float | None:

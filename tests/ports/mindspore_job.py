@@ -88,7 +88,7 @@ class MindSporePort:
         return self.ms.Tensor(ids), self.ms.Tensor(tgt)
 
     def logits(self, ids: Any) -> Any:
-        return self.model(input_ids=ids)  # by keyword, as torch_job: neither side then records the ids as an input
+        return self.model(input_ids=ids)  # by keyword, as torch_job (both record the ids as the input)
 
     def _loss(self, ids: Any, tgt: Any) -> Any:
         logits = self.logits(ids)

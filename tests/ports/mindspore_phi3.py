@@ -137,7 +137,8 @@ class Phi3DecoderLayer(nn.Cell):
         self.resid_mlp_dropout = nn.Dropout(p=0.0)
 
     def construct(self, hidden_states: mindspore.Tensor, mask: mindspore.Tensor, position_embeddings: tuple) -> mindspore.Tensor:
-        # By keyword, as transformers calls it (a positional call would add an input record torch has not).
+        # By keyword, as transformers calls it: both sides' attention inputs are recorded all the same
+        # (twinstep.runtime.capture.base.call_inputs).
         attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                                  position_embeddings=position_embeddings, mask=mask)
         hidden_states = hidden_states + self.resid_attn_dropout(attn)

@@ -119,8 +119,46 @@ def relative_errors(batch, labels, expected) -> dict[str, float]:
     return errors
 
 
+class Gate(nn.Cell):
+    def construct(self, hidden_states=None, scale=None):
+        return hidden_states * scale
+
+
+class KeywordNet(nn.Cell):
+    """fc1 -> gate, gate called by keyword in an order that is not its signature's (transformers' style)."""
+
+    def __init__(self, keywords: bool) -> None:
+        super().__init__()
+        self.keywords = keywords
+        self.fc1 = nn.Dense(16, 64)
+        self.gate = Gate()
+
+    def construct(self, x):
+        h, s = self.fc1(x), x.sum() + 2
+        return self.gate(scale=s, hidden_states=h) if self.keywords else self.gate(h, s)
+
+
+def keyword_inputs() -> dict:
+    """The gate's input record, called by keyword and positionally: hidden_states (fc1's output) both times."""
+    found = {}
+    for keywords in (True, False):
+        mindspore.set_seed(0)
+        net = KeywordNet(keywords)
+        recorder = Recorder(net, MindSporeBackend(), CaptureConfig(parameters=False, backward=False))
+        net(mindspore.Tensor(X))
+        batch = recorder.finish_step(0, None)
+        labels = names_of(recorder, batch)
+        rows = {label: batch.device_stats[i].tolist() for i, label in enumerate(labels)}
+        found["keywords" if keywords else "positional"] = {
+            "inputs": [n for p, n in labels if p == "input"], "gate_input": rows[("input", "gate")],
+            "fc1_output": rows[("forward", "fc1")], "failures": len(recorder.health.snapshot().failures)}
+        recorder.remove()
+    return found
+
+
 def main() -> None:
     findings: dict = {"mindspore": mindspore.__version__}
+    findings["keyword_inputs"] = keyword_inputs()
     expected = torch_expected()
 
     # Statistics mode, statistics off the training thread where allowed.

@@ -78,6 +78,16 @@ def test_jit_compiled_cell_captured_as_one_module_and_graph_mode_refused(finding
         "graph_mode"]
 
 
+@needs_mindspore
+def test_a_cell_called_with_keywords_has_its_input_recorded(findings):
+    """As torch and paddle (test_recorder.py): the first keyword tensor in construct's order, hidden_states."""
+    found = findings["keyword_inputs"]
+    for call in ("keywords", "positional"):
+        assert found[call]["inputs"] == ["fc1", "gate", ""] and found[call]["failures"] == 0, found[call]
+    assert found["keywords"]["gate_input"] == found["keywords"]["fc1_output"]
+    assert found["keywords"]["gate_input"] == found["positional"]["gate_input"]
+
+
 def test_mindspore_parameter_names_join_torchs():
     assert canonical_parameter_name("LayerNorm", "layers.0.ln1.gamma") == "layers.0.ln1.weight"
     assert canonical_parameter_name("LayerNorm", "norm.beta") == "norm.bias"

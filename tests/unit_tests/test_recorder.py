@@ -225,6 +225,106 @@ def test_an_unreadable_output_is_counted_and_its_siblings_still_recorded(framewo
     assert failure.error.startswith("UnsupportedTensor: ") and "complex64" in failure.error
 
 
+def keyword_toy(framework: str, call: str):
+    """Linear -> Gate -> Linear plus a tensor-free Ramp, with Gate called as ``call`` says.
+
+    Gate's forward is ``(hidden_states=None, scale=None)``: "keywords" calls it
+    ``gate(scale=s, hidden_states=h)`` (the call's order is not the signature's),
+    "positional" calls it ``gate(h, s)``, "mixed" calls it ``gate(None, scale=s)`` (a
+    positional argument that is no tensor).  Ramp is called with an int only: ``ramp(n=2)``.
+    """
+    if framework == "torch":
+        import torch as fw
+
+        Module, randn, arange = fw.nn.Module, (lambda *shape: fw.randn(*shape)), fw.arange
+        fw.manual_seed(0)
+    else:
+        import paddle as fw
+
+        Module, randn, arange = fw.nn.Layer, (lambda *shape: fw.randn(list(shape))), fw.arange
+        fw.seed(0)
+
+    class Gate(Module):
+        def forward(self, hidden_states=None, scale=None):
+            return hidden_states * scale if hidden_states is not None else scale * 2
+
+    class Ramp(Module):
+        def forward(self, n=3):
+            return arange(n).astype("float32") if framework == "paddle" else arange(n).float()
+
+    class Toy(Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = fw.nn.Linear(4, 8)
+            self.gate = Gate()
+            self.ramp = Ramp()
+            self.fc2 = fw.nn.Linear(8, 2)
+
+        def forward(self, x):
+            h, s = self.fc1(x), x.sum() + 2
+            if call == "keywords":
+                g = self.gate(scale=s, hidden_states=h)
+            elif call == "positional":
+                g = self.gate(h, s)
+            else:
+                g = self.gate(None, scale=s) + h
+            return self.fc2(g) + self.ramp(n=2).sum()
+
+    model = Toy()
+    x = randn(3, 4)
+    return model, (lambda: model(x).square().mean())
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_module_called_with_keywords_has_its_input_recorded(framework):
+    """The input is the first positional tensor, else the first keyword tensor in forward's order."""
+    rows = {}
+    for call in ("keywords", "positional", "mixed"):
+        model, train_step = keyword_toy(framework, call)
+        recorder = Recorder(model, backend_for(model), CaptureConfig(parameters=False, backward=False))
+        batch = recorder.finish_step(0, train_step())
+        recorded = names(recorder, batch)
+        rows[call] = {r: batch.device_stats[i] for i, r in enumerate(recorded)}
+        inputs = [r[1] for r in recorded if r[0] == "input"]
+        # Ramp, called with an int only, has no input record, and nothing failed.
+        assert inputs == ["fc1", "gate", "fc2", ""], call
+        assert ("forward", "ramp", 0) in recorded
+        assert not recorder.health.snapshot().failures
+    keywords, positional, mixed = rows["keywords"], rows["positional"], rows["mixed"]
+    # hidden_states (fc1's output, first in forward's signature), not scale (first in the call).
+    np.testing.assert_array_equal(keywords[("input", "gate", 0)], keywords[("forward", "fc1", 0)])
+    np.testing.assert_array_equal(keywords[("input", "gate", 0)], positional[("input", "gate", 0)])
+    assert keywords.keys() == positional.keys()
+    # A positional None is no tensor: the keyword tensor after it (scale, whose double is the output) is the input.
+    assert mixed[("input", "gate", 0)][0] == pytest.approx(mixed[("forward", "gate", 0)][0] / 2)
+
+
+def test_paddle_before_3_2_reads_keywords_through_a_pre_hook(monkeypatch):
+    """paddle 3.0 and 3.1 pass keywords to pre-hooks only (with_kwargs); the post-hook gets them from it."""
+    from twinstep.runtime.capture.paddle import backend as paddle_backend
+
+    monkeypatch.setattr(paddle_backend, "_POST_HOOK_KWARGS", False)
+    test_a_module_called_with_keywords_has_its_input_recorded("paddle")
+    test_keyword_capture_detaches_cleanly("paddle")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_keyword_capture_detaches_cleanly(framework):
+    model, train_step = keyword_toy(framework, "keywords")
+    before = float(train_step())
+    recorder = Recorder(model, backend_for(model), CaptureConfig())
+    train_step()
+    recorder.finish_step(0, None)
+    recorder.remove()
+    if framework == "torch":
+        hooks = [(m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_pre_hooks) for m in model.modules()]
+    else:
+        hooks = [(l._forward_post_hooks, l._forward_pre_hooks, l._forward_pre_hooks_with_kwargs_flag)
+                 for l in model.sublayers(include_self=True)]
+    assert all(len(h) == 0 for group in hooks for h in group)
+    assert float(train_step()) == pytest.approx(before)
+
+
 def test_attach_refuses_other_objects():
     with pytest.raises(TypeError, match="expected a torch.nn.Module, a paddle.nn.Layer or a mindspore.nn.Cell"):
         backend_for(object())

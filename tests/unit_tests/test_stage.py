@@ -38,7 +38,10 @@ def test_common_factor_on_every_gradient_is_clipping():
 
 def test_one_gradient_differing_is_not_clipping():
     rows = [row("grad", "b", True, 1, 0.8), row("grad", "w", False)]
-    assert first(rows).startswith("backward: output gradients matched but the gradient of parameter b")
+    # No output gradient was compared: the stage does not say they matched.
+    assert first(rows).startswith("backward: the gradient of parameter b differs")
+    rows = [row("backward", "fc"), *rows]
+    assert first(rows).startswith("backward: output gradients matched; the gradient of parameter b differs")
 
 
 def test_only_one_dimensional_parameters_point_at_weight_decay():
@@ -50,3 +53,58 @@ def test_only_one_dimensional_parameters_point_at_weight_decay():
 def test_every_parameter_with_zero_init_scale_points_at_learning_rate():
     rows = [row("param", "w", True, 2, 1.00001), row("param", "b", True, 1, 1.1), row("param", "c", True, 1, 1.1)]
     assert "learning rate (zero-initialised parameters moved x1.1 as far" in first(rows)
+
+
+# Each sentence says only what the rows show: one case where its premise holds, one where it does not.
+
+def test_loss_gives_its_ratio_only_when_it_has_one():
+    forward = [row("forward", "fc")]
+    assert "the loss differs (candidate x0.5 of the baseline's)" in first([*forward, row("loss", "", True, 0, 0.5)])
+    text = first([*forward, row("loss", "", True, 0, 1.0)])
+    assert text.startswith("loss: forward matched; the loss differs; check") and " x" not in text
+    assert first([row("loss", "", True, 0, 1.0)]).startswith("loss: the loss differs")  # no forward compared
+
+
+def test_one_factor_on_output_gradients_needs_every_one_to_share_it():
+    held = first([row("loss", ""), row("backward", "fc2", True, scale=0.5), row("backward", "fc1", True, scale=0.5)])
+    assert held.startswith("backward: loss matched; every output gradient differs by the same factor x0.5 (2 of 2)")
+    mixed = first([row("backward", "fc2", True, scale=0.5), row("backward", "fc1", True, scale=0.9)])
+    assert "same factor" not in mixed and "(matches)" not in mixed
+    assert "the output gradient of 'fc2', the first one backward produces" in mixed
+
+
+def test_a_module_whose_input_already_differs_is_not_told_to_check_its_implementation():
+    own = first([row("forward", "fc"), row("forward", "act", True, type="GELU"), row("input", "act")])
+    assert "(its input matches); check its implementation" in own
+    inherited = first([row("forward", "fc"), row("forward", "act", True, type="GELU"), row("input", "act", True)])
+    assert "check its implementation" not in inherited
+    assert ("act (GELU) is the first module whose output differs, and its input already differs "
+            "(rms 1 > 0.5)") in inherited
+
+
+def test_data_at_step_zero_needs_an_input_that_differs():
+    rows = [row("forward", "embed", True, type="Embedding"), row("input", "embed", True)]
+    assert first(rows).startswith("data: step 0 differs from its very first module (embed), whose input already "
+                                  "differs (rms 1 > 0.5): the candidate was fed different inputs")
+    rows = [row("forward", "embed", True, type="Embedding"), row("input", "embed")]
+    assert first(rows).startswith("forward: embed (Embedding) is the first module whose output differs (its input "
+                                  "matches)")
+
+
+def test_data_claims_matching_weights_only_when_they_were_compared():
+    rows = [row("forward", "embed", True), row("forward", "fc", True)]
+    comparison = StepComparison(step=3, rank=0, candidate_run="cand", rows=rows)
+    assert "and the weights after step 2, matched" in describe(comparison.first, comparison, (0.2, "fc.weight"))
+    assert "weights" not in describe(comparison.first, comparison, None)
+
+
+def test_a_later_step_says_its_input_matches_only_when_it_was_compared():
+    rows = [row("forward", "embed"), row("forward", "fc", True)]
+    assert "yet fc (Linear) differs: a data-dependent" in first(rows, step=2)
+    assert "yet fc (Linear) differs while its input matches" in first([*rows, row("input", "fc")], step=2)
+
+
+def test_optimizer_says_which_earlier_phases_matched():
+    rows = [row("forward", "fc"), row("grad", "w"), row("param", "w", True, 2), row("param", "b", True, 1)]
+    assert first(rows).startswith("optimizer: forward and parameter gradients matched; after the update 2 of 2")
+    assert first(rows[2:]).startswith("optimizer: after the update 2 of 2 parameters differ")

@@ -8,6 +8,7 @@ not keep references to the tensors they are given beyond what they return.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
 
@@ -38,6 +39,46 @@ class RemovableHandle:
             remove()
 
 
+# -- a call's inputs -------------------------------------------------------------
+#
+# The recorder records a module call's first tensor input (CaptureConfig.inputs): the
+# first tensor among the positional arguments, else the first tensor among the keyword
+# arguments taken in the order of the module's forward signature (then any keyword its
+# signature does not name, in call order).  Both frameworks pick the same logical input
+# however a call is spelled: transformers calls attention as
+# ``self_attn(hidden_states=h, position_embeddings=pe, attention_mask=m)`` where
+# paddleformers passes ``hidden_states`` positionally, and ``hidden_states`` comes first
+# in both forward signatures.  A backend hands the recorder ``call_inputs(args, kwargs, ...)``
+# as a call's ``inputs``: the positional arguments alone on the hot path, keyword values
+# appended only for a call whose first positional argument is not a tensor.
+
+
+def forward_parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names ``forward`` (a bound ``forward`` or ``construct``) accepts by keyword, in signature order.
+
+    () when unknown.  ``inspect.signature`` follows ``__wrapped__``, so a forward wrapped
+    with ``functools.wraps`` (accelerate's hooks) still gives the original order.
+    """
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an object without a readable signature
+        return ()
+    return tuple(p.name for p in parameters
+                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+def call_inputs(args: tuple, kwargs: dict[str, Any], order: tuple[str, ...]) -> tuple:
+    """``args`` followed by ``kwargs``' values in ``order``, then the values of keywords ``order`` lacks.
+
+    The first tensor found in the result is the call's input by the rule above.
+    """
+    named = [kwargs[name] for name in order if name in kwargs]
+    if len(named) < len(kwargs):
+        known = set(order)
+        named.extend(value for name, value in kwargs.items() if name not in known)
+    return (*args, *named)
+
+
 class CaptureBackend(ABC):
     """Framework adapter used by :class:`twinstep.runtime.capture.recorder.Recorder`."""
 
@@ -57,7 +98,13 @@ class CaptureBackend(ABC):
 
     @abstractmethod
     def add_output_hook(self, module: Module, hook: Callable[[Module, Any, Any], None]) -> RemovableHandle:
-        """Call ``hook(module, inputs, output)`` after every forward call of ``module``."""
+        """Call ``hook(module, inputs, output)`` after every forward call of ``module``.
+
+        ``inputs`` is the call's positional arguments, with the values of its keyword
+        arguments appended (:func:`call_inputs`) when the first positional argument is not a
+        tensor, so that a module called by keyword still has its input recorded (hot: the
+        keyword path costs only calls without a positional tensor).
+        """
 
     @abstractmethod
     def output_tensors(self, output: Any) -> list[Tensor]:

@@ -31,7 +31,9 @@ import mindspore
 import numpy as np
 
 from twinstep.wire import stats
-from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
+from twinstep.runtime.capture.base import (
+    CaptureBackend, RemovableHandle, UnsupportedTensor, call_inputs, forward_parameter_names,
+)
 from twinstep.runtime.capture.buffers import HostBufferPool, pooled_copy
 from twinstep.runtime.capture.mindspore.sketch import MindSporeSketcher
 from twinstep.wire.sketch import SketchSpec
@@ -119,12 +121,20 @@ class MindSporeBackend(CaptureBackend):
                 yield name, param, cell_name, type(cell).__name__
 
     def add_output_hook(self, module: mindspore.nn.Cell, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
-        def forward_hook(cell: Any, inputs: Any, output: Any) -> None:
+        order: tuple[str, ...] | None = None  # construct's keyword names, read on the first keyword-only call
+
+        def forward_hook(cell: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+            nonlocal order
             self._hook_calls += 1
-            hook(cell, inputs, output)
+            if kwargs and not (args and isinstance(args[0], mindspore.Tensor)):
+                if order is None:
+                    order = forward_parameter_names(cell.construct)
+                args = call_inputs(args, kwargs, order)
+            hook(cell, args, output)
 
         self._watching_outputs = True
-        return RemovableHandle(module.register_forward_hook(forward_hook).remove)
+        # with_kwargs (MindSpore >= 2.7, the oldest supported): a cell called by keyword has its input recorded.
+        return RemovableHandle(module.register_forward_hook(forward_hook, with_kwargs=True).remove)
 
     def output_tensors(self, output: Any) -> list[mindspore.Tensor]:
         if isinstance(output, mindspore.Tensor):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 from typing import Any, Callable, Iterator
@@ -11,7 +12,9 @@ import numpy as np
 import paddle
 
 from twinstep.wire import stats
-from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
+from twinstep.runtime.capture.base import (
+    CaptureBackend, RemovableHandle, UnsupportedTensor, call_inputs, forward_parameter_names,
+)
 from twinstep.runtime.capture.buffers import HostBufferPool, pooled_copy
 from twinstep.runtime.capture.paddle.sketch import PaddleSketcher
 from twinstep.wire.sketch import SketchSpec
@@ -37,6 +40,10 @@ _PADDLE_SUM_MIN = 1 << 15
 #: Elements from which statistics are handed to the offload pool (twinstep.runtime.capture.offload).
 _OFFLOAD_MIN = 1 << 14
 _HOST_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# Keyword arguments reach post-hooks from paddle 3.2 (with_kwargs); 3.0 and 3.1 pass them to
+# pre-hooks only, so there a pre-hook hands them to the post-hook.
+_POST_HOOK_KWARGS = "with_kwargs" in inspect.signature(paddle.nn.Layer.register_forward_post_hook).parameters
+_PRE_HOOK_KWARGS = "with_kwargs" in inspect.signature(paddle.nn.Layer.register_forward_pre_hook).parameters
 # dtype objects -> neutral names; str(dtype) costs microseconds on the hot path.
 _DTYPE_OBJECTS = {getattr(paddle, name): name for name in _DTYPE_NAMES if hasattr(paddle, name)}
 
@@ -67,10 +74,43 @@ class PaddleBackend(CaptureBackend):
                 yield name, param, layer_name, type(layer).__name__
 
     def add_output_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
-        def post_hook(layer: paddle.nn.Layer, inputs: Any, output: Any) -> None:
-            hook(layer, inputs, output)
+        order: tuple[str, ...] | None = None  # forward's keyword names, read on the first keyword-only call
 
-        return RemovableHandle(module.register_forward_post_hook(post_hook).remove)
+        def with_keywords(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any] | None) -> tuple:
+            nonlocal order
+            if kwargs and not (args and isinstance(args[0], paddle.Tensor)):
+                if order is None:
+                    order = forward_parameter_names(layer.forward)
+                return call_inputs(args, kwargs, order)
+            return args
+
+        if _POST_HOOK_KWARGS:
+            def post_hook_kwargs(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+                hook(layer, with_keywords(layer, args, kwargs), output)
+
+            return RemovableHandle(module.register_forward_post_hook(post_hook_kwargs, with_kwargs=True).remove)
+        if not _PRE_HOOK_KWARGS:  # no paddle in the supported range lacks both
+            def post_hook(layer: paddle.nn.Layer, args: tuple, output: Any) -> None:
+                hook(layer, args, output)
+
+            return RemovableHandle(module.register_forward_post_hook(post_hook).remove)
+        pending: list[dict[str, Any] | None] = [None]  # the running call's keywords (calls of one layer do not nest)
+
+        def pre_hook(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any]) -> None:
+            pending[0] = kwargs or None
+
+        def post_hook_pending(layer: paddle.nn.Layer, args: tuple, output: Any) -> None:
+            kwargs, pending[0] = pending[0], None
+            hook(layer, with_keywords(layer, args, kwargs), output)
+
+        pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        post = module.register_forward_post_hook(post_hook_pending)
+
+        def remove() -> None:
+            pre.remove()
+            post.remove()
+
+        return RemovableHandle(remove)
 
     def output_tensors(self, output: Any) -> list[paddle.Tensor]:
         found: list[paddle.Tensor] = []

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from twinstep.wire import stats
-from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
+from twinstep.runtime.capture.base import (
+    CaptureBackend, RemovableHandle, UnsupportedTensor, call_inputs, forward_parameter_names,
+)
 from twinstep.runtime.capture.buffers import HostBufferPool
 from twinstep.runtime.capture.torch.sketch import TorchSketcher
 from twinstep.wire.sketch import SketchSpec
@@ -61,10 +63,18 @@ class TorchBackend(CaptureBackend):
                 yield name, param, module_name, type(module).__name__
 
     def add_output_hook(self, module: torch.nn.Module, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
-        def forward_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        order: tuple[str, ...] | None = None  # forward's keyword names, read on the first keyword-only call
+
+        def forward_hook(mod: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+            nonlocal order
+            if kwargs and not (args and isinstance(args[0], torch.Tensor)):
+                if order is None:
+                    order = forward_parameter_names(mod.forward)
+                args = call_inputs(args, kwargs, order)
             hook(mod, args, output)
 
-        return RemovableHandle(module.register_forward_hook(forward_hook).remove)
+        # with_kwargs (torch >= 2.0): transformers passes hidden_states to attention by keyword.
+        return RemovableHandle(module.register_forward_hook(forward_hook, with_kwargs=True).remove)
 
     def output_tensors(self, output: Any) -> list[torch.Tensor]:
         if isinstance(output, torch.Tensor):
