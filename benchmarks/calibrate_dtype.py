@@ -12,7 +12,8 @@ with AdamW on the same data under ``torch.autocast`` (mixed precision: float32
 master weights, low-precision products), attached to one embedded twinstep
 server.  The server's headroom (worst value of every metric per phase, over all
 steps) is printed per precision, with the factor over the float32 defaults that
-leaves the same 10x headroom the float32 defaults leave on real ports.
+leaves the same 10x headroom the float32 defaults leave on real ports; then the
+errors its modules create (the forward floors of server/detect/origin.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.modules.setdefault("torchcodec", None)  # type: ignore[arg-type]  # see tests/ports/torch_job.py
 
+import numpy as np  # noqa: E402
+
+from benchmarks.origin_calibration import envelope_cells, forward_envelope  # noqa: E402
 from tests.ports import models  # noqa: E402
 from tests.ports.torch_job import TorchPort  # noqa: E402
 
@@ -79,10 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     defaults = ToleranceConfig()
     handle = serve(port=0)
     needed: dict[str, float] = {}
+    created: dict[tuple[str, str, str], np.ndarray] = {}
     try:
         for dtype in args.dtypes:
             session = f"calibrate-{dtype}"
             start = time.perf_counter()
+            tracker = handle.registry.get_or_create(session).core.pipeline.tracker
+            seen: list = []
+            add = tracker.add
+            tracker.add = lambda comparison, add=add, seen=seen: (seen.append(comparison), add(comparison))[-1]
             train_pair(dtype, args.steps, handle.address, session, args.capture)
             deadline = time.monotonic() + 30
             report = handle.report_proto(session)
@@ -103,9 +112,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {phase:<8} {h.metric:<8} {h.value:9.2e}  {default:12.1e}  {factor:19.2f}  "
                           f"{h.module or '(model)'} step {h.step} ({h.dtype})")
             needed[dtype] = worst_factor
+            forward_envelope(seen, args.steps, created)
         print("\nfactor over the float32 defaults that leaves 10x room on this pair, against the one in use:")
         for dtype, factor in needed.items():
-            print(f"  {dtype:<9} needs {factor:8.2f}   DTYPE_SCALE[{dtype!r}] = {DTYPE_SCALE.get(dtype, 1.0):g}")
+            print(f"  {dtype:<9} needs {factor:8.2f}   DTYPE_SCALE[{dtype!r}] = {DTYPE_SCALE.get(dtype, {})}")
+        print("\ncreated forward errors on this pair (largest per calibrated step; origin.FORWARD_ENVELOPE):")
+        for key, line in sorted(created.items()):
+            print(f"  {key!r}: (" + ", ".join(f"{v:.1e}" for v in envelope_cells(line, args.steps)) + "),")
     finally:
         handle.stop(grace=0.5)
     return 0

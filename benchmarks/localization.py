@@ -11,6 +11,15 @@ Two more columns: "no-ref", whether the right step and phase are found with no
 reference rerun (cases run with one are run again without it: the origin
 trace-back of server/detect/origin.py), and "preflight", the categories of the
 report's preflight findings (the set-up diff before step 0; "-" for none).
+And "words": whether every stage, culprit and long-run sentence of the report
+is borne out by the numbers beside it (server/report/agreement.py: "yes", "NO",
+"-" when the report has no sentence it checks); the sentences that fail are
+listed under the table.
+
+The demo suite holds the demo LM's port and a new user's own small pair
+(tests/integration/jobs/first_hour_torch.py and first_hour_paddle.py: Linear,
+LayerNorm, GELU, Linear; Adam; default settings, no reference run), faithful and
+with the port's LayerNorm epsilon at 1e-6 against the baseline's 1e-5.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.integration.jobs.first_hour_paddle import pair_commands  # noqa: E402
 from twinstep.server import serve  # noqa: E402
 from twinstep.server.config import config_from_dict  # noqa: E402
+from twinstep.server.report.agreement import check_words  # noqa: E402
 
 
 @dataclass
@@ -50,10 +61,20 @@ def demo_case(name: str, bug: str | None, expected: tuple[int, str, str] | None)
     return Case(name, commands, expected)
 
 
+def first_hour_case(name: str, norm_eps: float | None, expected: tuple[int, str, str] | None) -> Case:
+    """A new user's own torch model and paddle port; ``norm_eps``: the port's LayerNorm epsilon (None: faithful)."""
+    def commands(server: str, session: str, steps: int, tmp: str) -> list[list[str]]:
+        return pair_commands(server, session, steps, os.path.join(tmp, "weights.npz"), norm_eps)
+
+    return Case(name, commands, expected)
+
+
 DEMO = [
     demo_case("demo faithful", None, None),
     demo_case("demo gelu_tanh", "gelu_tanh", (0, "forward", "layers.1.mlp.act")),
     demo_case("demo lr 1.1e-3", "lr", (0, "param", "*")),
+    first_hour_case("first-hour faithful", None, None),
+    first_hour_case("first-hour norm eps 1e-6", 1e-6, (0, "forward", "norm")),
 ]
 
 
@@ -100,9 +121,12 @@ def run_case(case: Case, steps: int) -> dict:
     if detected_at is None and first is not None:
         detected_at = time.monotonic() - start
     preflight = sorted({str(f.get("category", "?")) for f in report.get("preflight") or [] if isinstance(f, dict)})
+    checks = check_words(report)
+    failed = [f"{c.section}: {c.kind}: {c.why}" for c in checks if not c.holds]
     result = {"case": case.name, "found": first is not None, "right": None, "step": None, "seconds": detected_at,
               "false_alarm": case.expected is None and first is not None, "where": "",
-              "preflight": ",".join(preflight) or "-", "right_step_phase": None}
+              "preflight": ",".join(preflight) or "-", "right_step_phase": None,
+              "words": "-" if not checks else ("NO" if failed else "yes"), "words_failed": failed}
     if first is not None:
         result["step"] = first["step"]
         result["where"] = f"{first['phase']} {first['module']}"
@@ -137,8 +161,10 @@ def main() -> int:
     args = parser.parse_args()
     cases = (DEMO if args.suite in ("demo", "all") else []) + (ports_cases() if args.suite in ("ports", "all") else [])
     cases += mindspore_cases() if args.suite in ("mindspore", "all") else []
-    print(f"{'case':<32}{'found':>6}{'right':>7}{'step':>6}{'seconds':>9}{'no-ref':>8}  {'preflight':<24}where")
+    print(f"{'case':<32}{'found':>6}{'right':>7}{'step':>6}{'seconds':>9}{'no-ref':>8}{'words':>7}  "
+          f"{'preflight':<24}where")
     false_alarms = 0
+    disagreements: list[str] = []
     for case in cases:
         r = run_case(case, args.steps)
         false_alarms += r["false_alarm"]
@@ -147,9 +173,13 @@ def main() -> int:
         step = "-" if r["step"] is None else str(r["step"])
         found = "FALSE ALARM" if r["false_alarm"] else ("yes" if r["found"] else "no")
         no_reference = without_reference(case, args.steps, r)
-        print(f"{r['case']:<32}{found:>6}{right:>7}{step:>6}{seconds:>9}{no_reference:>8}  {r['preflight']:<24}"
-              f"{r['where']}", flush=True)
+        print(f"{r['case']:<32}{found:>6}{right:>7}{step:>6}{seconds:>9}{no_reference:>8}{r['words']:>7}  "
+              f"{r['preflight']:<24}{r['where']}", flush=True)
+        disagreements += [f"  {r['case']}: {line}" for line in r["words_failed"]]
     print(f"false alarms on faithful runs: {false_alarms}")
+    if disagreements:
+        print("words the numbers do not bear out:")
+        print("\n".join(disagreements))
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from twinstep.runtime.api import attach
 from twinstep.runtime.capture import backend_for
-from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle
+from twinstep.runtime.capture.base import CallInputs, CaptureBackend, RemovableHandle
 from twinstep.server.report.render import render_text, report_to_dict
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -101,13 +101,20 @@ def _default_loss(backend: CaptureBackend, output: Any) -> Any:
 
 def _feed_inputs_of(model_a: Any, backend_a: CaptureBackend, model_b: Any, backend_b: CaptureBackend,
                     inputs_a: Sequence[Any]) -> list[RemovableHandle]:
-    """Record every module input of model_a (one dry forward), then make model_b's modules use them."""
+    """Record every module input of model_a (one dry forward), then make model_b's modules use them.
+
+    A module's input is its first tensor argument by the rule the capture records
+    (twinstep.wire.inputs): positional first, else by keyword in its forward signature's order,
+    so a module one model calls by keyword is fed what the same module of the other saw.
+    """
     seen: dict[str, list[Any]] = {}
     recorders = []
     for name, module in backend_a.named_modules(model_a):
-        def record(mod: Any, args: tuple, name: str = name) -> None:
-            tensors = backend_a.output_tensors(args)
-            seen.setdefault(name, []).append(backend_a.to_numpy(tensors[0]) if tensors else None)
+        def record(mod: Any, args: tuple, kwargs: dict[str, Any], name: str = name,
+                   reader: CallInputs = backend_a.call_reader()) -> None:
+            where = reader.first(mod, args, kwargs)
+            value = None if where is None else args[where] if isinstance(where, int) else kwargs[where]
+            seen.setdefault(name, []).append(None if value is None else backend_a.to_numpy(value))
         recorders.append(backend_a.add_input_hook(module, record))
     model_a(*inputs_a)
     for handle in recorders:
@@ -119,15 +126,21 @@ def _feed_inputs_of(model_a: Any, backend_a: CaptureBackend, model_b: Any, backe
         if not name or name not in seen:
             continue
 
-        def substitute(mod: Any, args: tuple, name: str = name) -> tuple | None:
+        def substitute(mod: Any, args: tuple, kwargs: dict[str, Any], name: str = name,
+                       reader: CallInputs = backend_b.call_reader()) -> tuple[tuple, dict[str, Any]] | None:
             call = calls.get(name, 0)
             calls[name] = call + 1
             recorded = seen[name][call] if call < len(seen[name]) else None
-            if recorded is None or not args or not hasattr(args[0], "shape"):
+            where = reader.first(mod, args, kwargs)
+            if recorded is None or where is None:
                 return None
-            if tuple(args[0].shape) != recorded.shape:
+            value = args[where] if isinstance(where, int) else kwargs[where]
+            if tuple(value.shape) != recorded.shape:
                 return None  # a layout the caller must map: leave this module's input alone
-            return (backend_b.from_numpy(recorded, like=args[0]), *args[1:])
+            fed = backend_b.from_numpy(recorded, like=value)
+            if isinstance(where, int):
+                return (*args[:where], fed, *args[where + 1:]), kwargs
+            return args, {**kwargs, where: fed}
 
         substitutes.append(backend_b.add_input_hook(module, substitute))
     return substitutes

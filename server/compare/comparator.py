@@ -184,6 +184,8 @@ class StepComparison:
     """metric -> tolerance per row (aligned with ``rows``), for headroom."""
     keys: list[tuple[str, str, int, int]] = field(default_factory=list)
     """(phase, baseline name, call index, slot) per row: the record across steps."""
+    evidence: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    """Each row's error on one scale, and its metric (server/detect/evidence.py); filled when first asked."""
 
     @property
     def first(self) -> Row | None:

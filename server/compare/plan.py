@@ -65,6 +65,9 @@ class JoinPlan:
     """Phase name of each pair (the baseline record's)."""
     judged: np.ndarray
     """Pairs that can be a divergence of their own (module inputs are evidence only)."""
+    width: int = 0
+    """The model's width as its parameters show it: the largest of each baseline matrix's smaller side
+    (a transformer's hidden size); 0 without matrices.  Faithful noise grows with it (server/detect/origin.py)."""
     derived: dict[str, Any] = field(default_factory=dict)
     """What consumers of comparisons compute once per plan (per-phase index groups, masks), by consumer."""
 
@@ -219,6 +222,8 @@ def build_plan(
         bandable=~exact & np.isfinite(limits),
         phases=[key[0] for key in keys],
         judged=np.array([key[0] != "input" for key in keys], dtype=bool),
+        width=max((min(base.shapes[g[0]]) for g, _ in pairs
+                   if int(base.phase[g[0]]) in phases.PARAM_PHASES and len(base.shapes[g[0]]) == 2), default=0),
     )
 
 

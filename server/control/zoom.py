@@ -210,8 +210,8 @@ class ZoomCoordinator:
             return out
 
         window = session.tell_zoom(spec, "auto-ops", per_run)
-        logger.warning("session %s: auto_ops #%d: the operations of %r at step %d (runs %s)", self.session,
-                       window.spec.id, module, at_step, ", ".join(window.runs))
+        logger.warning("session %s: auto_ops #%d: the operations of %r at step %d (%s)", self.session,
+                       window.spec.id, module, at_step, _runs_words(window.runs))
 
     def halt_with_bundle(self, session: "Session", found: "Candidate", reason: str) -> None:
         """bundle_on_halt: every run writes a bundle of the divergent module, then halts (the session decided, once)."""
@@ -244,9 +244,9 @@ class ZoomCoordinator:
         spec.modules.extend(module_names.escape(n) for n in module_names.neighbourhood(
             base_module, session.module_names(baseline))[:module_names.MAX_NAMES])
         window = session.tell_zoom(spec, "auto", per_run)
-        logger.warning("session %s: auto_zoom #%d: %s in full tensors, steps %d-%d (runs %s)", self.session,
+        logger.warning("session %s: auto_zoom #%d: %s in full tensors, steps %d-%d (%s)", self.session,
                        window.spec.id, ", ".join(spec.modules) or "(model)", spec.first_step, spec.last_step,
-                       ", ".join(window.runs))
+                       _runs_words(window.runs))
 
     def _bundle_and_halt(self, session: "Session", found: "Candidate", reason: str) -> None:
         at_step = None
@@ -345,3 +345,8 @@ def _run_module(core: "SessionCore", run: str, base_module: str, found: "Candida
     if run == found.comparison.candidate_run and found.row.candidate_name:
         return module_names.module_of(found.row.phase, found.row.candidate_name)
     return _candidate_name(core, run, base_module)
+
+
+def _runs_words(runs: list[str] | tuple[str, ...]) -> str:
+    """"runs a, b", or why none was told (every run had ended before the window was opened)."""
+    return f"runs {', '.join(runs)}" if runs else "no run still streaming: every run had ended"

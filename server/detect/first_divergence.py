@@ -22,6 +22,7 @@ from twinstep.wire.phases import STEP_ORDER, record_position, step_position
 import numpy as np
 
 from twinstep.server.compare.comparator import Row, Rows, StepComparison
+from twinstep.server.detect import path
 from twinstep.server.detect.gaps import describe as describe_gaps
 from twinstep.server.compare.tolerance import ToleranceConfig
 from twinstep.server.detect.origin import Origin, OriginTracer
@@ -62,6 +63,9 @@ class Candidate:
             divergence.crossed.CopyFrom(pb.ToleranceCrossing(
                 step=crossed.comparison.step, rank=crossed.comparison.rank, phase=c.phase, module=c.name,
                 metric=c.metric, value=c.value, tolerance=c.tolerance))
+        words = "origin: creates it" if origin.row.phase == "forward" else "origin"
+        divergence.path.extend(path.build(self.row, self.comparison, crossed.row if crossed else None,
+                                          crossed.comparison if crossed else None, words))
         return divergence
 
     def _plain_proto(self) -> pb.Divergence:
@@ -133,7 +137,9 @@ class FirstDivergenceTracker:
             earlier = key < current.key if origin.row.phase == "forward" else key[:2] < current.key[:2]
             if not earlier:
                 return
-        candidate = Candidate(key, origin.row, at, origin=origin, crossed=current)
+        # An origin replacing another (a parameter update found behind a forward origin) keeps its crossing.
+        crossed = current.crossed if current is not None and current.origin is not None else current
+        candidate = Candidate(key, origin.row, at, origin=origin, crossed=crossed)
         if run in self.declared:
             self.declared[run] = candidate
             self._redeclared.append(candidate)

@@ -15,6 +15,8 @@ import re
 from typing import TYPE_CHECKING
 
 from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.detect.culprit import classify, parent_code
+from twinstep.server.detect.origin import module_kind
 from twinstep.wire.phases import STEP_ORDER, step_position
 
 if TYPE_CHECKING:
@@ -139,39 +141,39 @@ def _describe(row: Row, comparison: StepComparison, previous_params: tuple[float
 
 def _describe_forward(row: Row, comparison: StepComparison, in_phase: list[Row],
                       previous_params: tuple[float, str] | None) -> str:
-    """Data, inherited or the module's own: by where the module ran in the step and its captured input."""
+    """Data, inherited or the module's own: by where the module ran in the step and its captured input, read
+    on the one scale of error (twinstep.server.detect.culprit.classify, which the culprit line states too)."""
     name, step = row.name or "(model)", comparison.step
-    seen = _input_row(row, comparison)
-    input_differs = seen is not None and seen.divergent
-    first_to_run = bool(in_phase) and in_phase[0] is row
-    if first_to_run and (input_differs or (step > 0 and seen is None)):
-        evidence = (f", whose input already differs ({seen.metric} {seen.value:.3g} > {seen.tolerance:.3g})"
-                    if input_differs else "")
+    found = classify(row, comparison)
+    if found.kind == "data" or (found.first_to_run and step > 0 and found.given is None):
+        words = f", whose input already differs ({found.given})" if found.kind == "data" else ""
         weights = (f", and the weights after step {step - 1}," if previous_params is not None
                    and previous_params[0] <= 1.0 else "")
         earlier = f" while every earlier step{weights} matched" if step else ""
         return (
-            f"data: step {step} differs from its very first module ({name}){evidence}{earlier}: the candidate was "
+            f"data: step {step} differs from its very first module ({name}){words}{earlier}: the candidate was "
             "fed different inputs (batch order, shuffling, preprocessing)"
         )
-    if input_differs:
+    at = f" at step {step}" if step else ""
+    if found.kind in ("inherited", "unhooked"):
+        where = (f"in {found.source} or before it (its output already differs by {found.source_error})"
+                 if found.kind == "inherited" else f"in code between the hooked modules{parent_code(row, comparison)}")
         return (
-            f"forward{f' at step {step}' if step else ''}: {name} ({row.type}) is the first module whose output "
-            f"differs, and its input already differs ({seen.metric} {seen.value:.3g} > {seen.tolerance:.3g}): the "
-            "error arises before it, in code between the hooked modules"
+            f"forward{at}: {name} ({row.type}) is the first module over its tolerance, and its input is already "
+            f"off by {found.given} (its output by {found.output}): the error arises before it, {where}"
         )
-    evidence = " while its input matches" if seen is not None else ""
+    evidence = f" while its input matches ({found.given})" if found.given is not None else ""
     if step > 0:
         return (
             f"forward at step {step}: every earlier record was within tolerance, yet {name} ({row.type}) "
             f"differs{evidence}: a data-dependent difference in that module, or an earlier difference that grew"
         )
-    inputs = ("its input matches" if seen is not None else
-              "the first module to run; its input is not compared" if first_to_run else
+    inputs = (f"its input matches ({found.given})" if found.given is not None else
+              "the first module to run; its input is not compared" if found.first_to_run else
               "every module that ran before it matches")
     return (
-        f"forward: {name} ({row.type}) is the first module whose output differs ({inputs}); check its "
-        "implementation (activation variant, epsilon, scaling, rotary base, dropout, layout)"
+        f"forward: {name} ({row.type}) is the first module whose output differs ({inputs}); check "
+        f"{_FORWARD_HINTS[module_kind(row.type)]}"
     )
 
 
@@ -181,17 +183,19 @@ def _describe_param(row: Row, comparison: StepComparison, in_phase: list[Row], d
     if not matrices:
         kind = "only 1-D parameters (norm weights, biases)"
         hint = ("weight decay applied to parameters the baseline exempts (or the reverse), or the "
-                "optimizer's epsilon if their gradients are tiny")
+                "optimizer's epsilon or betas if their gradients are tiny")
     elif len(divergent) >= 0.9 * len(in_phase):
         kind = f"{len(divergent)} of {len(in_phase)} parameters"
-        hint = "learning rate, schedule, betas or epsilon"
+        hint = ("the learning rate and its schedule (warmup length, the step the scheduler counts from), betas "
+                "or epsilon")
         zero_init = _common_factor([r for r in divergent if r.ndim == 1 and abs(r.scale - 1.0) > _COMMON_FACTOR])
         if step == 0 and zero_init is not None:
             hint = f"learning rate (zero-initialised parameters moved x{zero_init:.4g} as far in the first update)"
     else:
         kind = f"{len(divergent)} of {len(in_phase)} parameters"
-        hint = ("per-parameter-group settings (learning rate, weight decay, clipping of some groups), or the "
-                "optimizer's epsilon, which moves first the parameters whose gradients are tiny")
+        hint = ("per-parameter-group settings (learning rate, weight decay, clipping of some groups), the "
+                "optimizer's epsilon or betas, which move first the parameters whose gradients are tiny, or the "
+                "learning rate and its schedule")
     before = _matched(comparison, "param")
     return f"optimizer: {_lead(before)}after the update {kind} differ, first {name}: check {hint}"
 
@@ -200,25 +204,37 @@ def describe_origin(origin: "Origin") -> str:
     """The stage of a divergence traced back to its origin (twinstep.server.detect.origin), naming the cause."""
     row, step = origin.row, origin.comparison.step
     if row.phase == "forward":
-        return (f"forward: {row.name} ({row.type}) adds its own error at step {step}: {origin.evidence}. Its "
-                "computation differs (a rotary base, a constant, an epsilon or a dtype); the difference is under "
-                "every flat tolerance and grows from here")
+        kind = origin.created[2] if origin.created is not None else "block"
+        return (f"forward: {row.name} ({row.type}) creates an error at step {step}, under every flat tolerance: "
+                f"{origin.evidence}. Check {_FORWARD_HINTS.get(kind, _FORWARD_HINTS['block'])}")
     n = origin.involved_total
     if origin.one_dimensional:
         kind = f"only 1-D parameters (norm weights, biases; {n} of them)"
         hint = ("weight decay applied to parameters the baseline exempts (or the reverse), or the optimizer's "
-                "epsilon if their gradients are tiny")
+                "epsilon or betas if their gradients are tiny (zero-initialised norm weights move first)")
         if origin.shrink is not None:
             hint = (f"weight decay: each shrinks by the same factor x{origin.shrink:.7g} per step, as decay does "
                     f"(1 - lr x weight decay = {origin.shrink:.7g}); check which parameters the candidate decays")
     else:
         in_phase = len(origin.comparison.rows)
         kind = f"{n} of {in_phase} parameters"
-        hint = ("the optimizer's epsilon (it moves first the parameters whose gradients are tiny), betas, or "
-                "per-parameter-group settings (learning rate, weight decay, clipping of some groups)")
+        hint = ("the optimizer's epsilon (it moves first the parameters whose gradients are tiny), betas, the "
+                "learning rate and its schedule, or per-parameter-group settings (learning rate, weight decay, "
+                "clipping of some groups)")
     return (f"optimizer: traced back to the update of step {step}: {kind} moved away from the baseline, first "
             f"{row.name}, under every flat tolerance ({origin.evidence}): check {hint}")
 
+
+#: What to check in a module that creates a forward error, by its kind (twinstep.server.detect.origin.module_kind).
+_FORWARD_HINTS = {
+    "norm": "its epsilon, whether it centres (LayerNorm) or not (RMSNorm), its weight offset (1 + w) and the dtype "
+            "of its variance",
+    "rotary": "the rotary base, the position ids, and rotate-half against interleaved pairs",
+    "embedding": "the table and any scaling of its output (x sqrt(hidden size))",
+    "linear": "its weight layout ([in, out] against [out, in]) and the precision of its product",
+    "activation": "the activation variant (exact against tanh GELU, SiLU against GELU)",
+    "block": "its own operations between its children: scaling, masks, residuals, dtype casts",
+}
 
 _PHASE_WORDS = {"forward": "forward", "loss": "loss", "backward": "output gradients", "grad": "parameter gradients"}
 

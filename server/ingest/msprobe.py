@@ -52,6 +52,7 @@ from typing import Any, Iterator
 from twinstep.wire import phases
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.wire.codec import DTYPE_TO_WIRE
+from twinstep.wire.inputs import call_inputs
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: msprobe tasks whose dump.json holds statistics (the tensor task writes them beside its .pt files).
@@ -202,7 +203,7 @@ def read_step(file: DumpFile) -> StepDump:
         if direction == "forward":
             for slot, leaf in enumerate(_tensors(entry.get("output"))):
                 _add(out, phases.FORWARD, name, name, module_type, call, slot, leaf)
-            inputs = _tensors(entry.get("input_args")) + _tensors(entry.get("input_kwargs"))
+            inputs = _first_input(entry.get("input_args"), entry.get("input_kwargs"))
             if inputs:
                 _add(out, phases.INPUT, name, name, module_type, call, 0, inputs[0])
             if call == 0 and isinstance(entry.get("parameters"), dict):
@@ -245,6 +246,14 @@ def _tensors(value: Any) -> list[dict[str, Any]]:
             found.extend(_tensors(item))
         return found
     return []
+
+
+def _first_input(args: Any, kwargs: Any) -> list[dict[str, Any]]:
+    """The call's first input, as capture takes it (twinstep.wire.inputs): the first tensor among the
+    positional arguments, else among the keyword arguments, in call order (a dump holds no signature)."""
+    positional = tuple(args) if isinstance(args, (list, tuple)) else () if args is None else (args,)
+    keywords = kwargs if isinstance(kwargs, dict) else {}
+    return _tensors(list(call_inputs(positional, keywords)))[:1]
 
 
 def _add(out: StepDump, phase: int, name: str, module: str, module_type: str, call: int, slot: int,

@@ -3,8 +3,10 @@
 Each matched pair's output is compared with the forward tolerances of the
 module (statistics always; rel_l2, cosine and max_abs when both sides sent
 values).  Its error is the largest ratio of a metric to its tolerance.  The
-culprit is the first pair whose output is out of tolerance while its inputs
-are within it, or whose output error exceeds its inputs' by ``GROWTH`` times:
+culprit is the first pair whose output is out of tolerance while its inputs'
+error, on the one scale of twinstep.server.detect.evidence, is at most
+1/``GROWTH`` of its output's (an input within its tolerance can already carry
+the whole error: "matches" is judged on that scale, not on the metric that crossed):
 captured a few steps after a divergence, the module's inputs and parameters
 already differ a little, and an operation that only passes that on (a
 matmul of slightly different inputs) is not the one that creates it.  An
@@ -15,19 +17,20 @@ operation the culprit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from twinstep.server.compare import metrics
 from twinstep.server.compare.tolerance import ToleranceConfig, effective_dtype
+from twinstep.server.detect.evidence import CREATES, STAT_METRICS
 from twinstep.server.ops.align import LAYOUT_OPS, align
 from twinstep.server.ops.trace import OpCall, OpTensor, OpTrace
 from twinstep.wire.stats import FIELDS
 from twinstep.v1 import twinstep_pb2 as pb
 
 #: An output error this many times its inputs' is created by the operation, not passed on.
-GROWTH = 10.0
+GROWTH = CREATES
 #: Below this share of the computing operations paired, the two sequences are not one computation.
 MIN_ALIGNED = 0.5
 _STAT_METRICS = ("rms", "mean", "extrema", "nonfinite")
@@ -40,6 +43,9 @@ class Error:
     metric: str
     value: float
     tolerance: float
+    scale: float = 0.0
+    """The error on one scale (twinstep.server.detect.evidence): the worst metric itself, over its tolerance or not."""
+    scale_metric: str = "rms"
 
 
 _EQUAL = Error(0.0, "rms", 0.0, 0.0)
@@ -61,7 +67,11 @@ def tensor_error(base: OpTensor, cand: OpTensor, tolerances: ToleranceConfig, mo
         ratio = value / limit if limit > 0 else (math.inf if value > 0 else 0.0)
         if ratio > worst.ratio:
             worst = Error(ratio, metric, value, limit)
-    return worst
+    # Statistics only: an operation's inputs include weights in each framework's own layout ([in, out] against
+    # [out, in]), which element-wise metrics would compare as unrelated tensors.
+    on_scale = [(v, m) for m, v in values.items() if m in STAT_METRICS]
+    scale, scale_metric = max(on_scale, default=(0.0, "rms"))
+    return replace(worst, scale=scale, scale_metric=scale_metric)
 
 
 def compare_traces(base: OpTrace, cand: OpTrace, tolerances: ToleranceConfig, candidate_run: str) -> pb.OperationFinding:
@@ -94,22 +104,22 @@ def compare_traces(base: OpTrace, cand: OpTrace, tolerances: ToleranceConfig, ca
             continue
         inputs = [tensor_error(base.tensor(x), cand.tensor(y), tolerances, base.module)
                   for x, y in zip(a.inputs, b.inputs)]
-        worst_in = max((e.ratio for e in inputs), default=0.0)
-        if worst_in <= 1 or out.ratio > GROWTH * worst_in:
-            _found(finding, a, b, out, _input_value(inputs, out.metric))
+        given = max(inputs, key=lambda e: e.scale, default=_EQUAL)
+        if given.scale * GROWTH <= out.scale:  # on one scale: the inputs bring at most 1/GROWTH of it
+            _found(finding, a, b, out, given)
             break
         extra = (_unpaired_source(a, base, pair_of_base, "baseline")
                  or _unpaired_source(b, cand, pair_of_cand, "candidate"))
         if extra is not None:
             side, call = extra
-            _found(finding, call if side == "baseline" else None, call if side == "candidate" else None, out, 0.0)
+            _found(finding, call if side == "baseline" else None, call if side == "candidate" else None, out, _EQUAL)
             finding.message = (f"{base.module or '(model)'!r}: the first difference comes from an operation only the "
                                f"{side} has: #{call.index} {call.op} ({call.api}) at {_where(call)}; it feeds "
                                f"#{a.index} {a.op}, whose output differs ({out.metric} {out.value:.3g} > "
                                f"{out.tolerance:.3g})")
             break
         if passed_on is None:
-            passed_on = (a, b, out, _input_value(inputs, out.metric))
+            passed_on = (a, b, out, max(inputs, key=lambda e: e.scale, default=_EQUAL))
     else:
         if passed_on is not None:
             _found(finding, *passed_on, status="inherited")
@@ -122,10 +132,6 @@ def compare_traces(base: OpTrace, cand: OpTrace, tolerances: ToleranceConfig, ca
         if finding.status == "matched":
             finding.status = "incomplete"
     return finding
-
-
-def _input_value(inputs: list[Error], metric: str) -> float:
-    return max((e.value for e in inputs if e.metric == metric), default=0.0)
 
 
 def _unpaired_source(call: OpCall, trace: OpTrace, paired: dict[int, int], side: str) -> tuple[str, OpCall] | None:
@@ -147,22 +153,27 @@ def _where(call: OpCall) -> str:
     return f"{call.file.rsplit('/', 1)[-1]}:{call.line}" if call.file else "(unknown line)"
 
 
-def _found(finding: pb.OperationFinding, a: OpCall | None, b: OpCall | None, out: Error, input_value: float,
+def _found(finding: pb.OperationFinding, a: OpCall | None, b: OpCall | None, out: Error, given: Error,
            status: str = "found") -> None:
     finding.status = status
     finding.baseline.CopyFrom(_site(a))
     finding.candidate.CopyFrom(_site(b))
-    finding.metric, finding.value, finding.tolerance, finding.input_value = out.metric, out.value, out.tolerance, input_value
+    finding.metric, finding.value, finding.tolerance, finding.input_value = (out.metric, out.value, out.tolerance,
+                                                                             given.scale)
     if a is None or b is None:
         return
     module = finding.module or "(model)"
+    inputs = ("match exactly" if given.scale == 0 else
+              f"are off by at most {given.scale_metric} {given.scale:.3g} against its {out.scale_metric} "
+              f"{out.scale:.3g}")
     if status == "found":
         finding.message = (
             f"{module!r}: operation #{b.index} {b.op} ({b.api}) at {_where(b)} `{b.code}` is the first whose output "
-            f"differs ({out.metric} {out.value:.3g} > {out.tolerance:.3g}) while its inputs match ({out.metric} "
-            f"{input_value:.3g}); the baseline's #{a.index} {a.op} ({a.api}) at {_where(a)} `{a.code}`")
+            f"differs ({out.metric} {out.value:.3g} > {out.tolerance:.3g}) while its inputs {inputs}; the "
+            f"baseline's #{a.index} {a.op} ({a.api}) at {_where(a)} `{a.code}`")
     else:
         finding.message = (
             f"{module!r}: no operation creates a difference; the first that differs, #{b.index} {b.op} at "
-            f"{_where(b)}, already gets inputs that differ ({out.metric} {input_value:.3g}), and none grows it "
-            f"{GROWTH:g} times: the difference comes from the module's inputs or parameters")
+            f"{_where(b)}, already gets inputs off by {given.scale_metric} {given.scale:.3g} (its output "
+            f"{out.scale_metric} {out.scale:.3g}), and none grows it {GROWTH:g} times: the difference comes from "
+            "the module's inputs or parameters")

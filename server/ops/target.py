@@ -5,6 +5,9 @@ A forward divergence whose module's input matches is created by that module
 named); one whose input already differs comes from code no hooked module
 covers, in its parent's forward (twinstep.server.detect.culprit).  Either way
 the module named here is the one whose forward holds the inline operations.
+A data divergence (the stage says "data": the step's very first module already
+differs, its input too when it was captured) points at the inputs the runs were
+fed, which no module's operations hold: nothing is captured for it.
 """
 
 from __future__ import annotations
@@ -12,16 +15,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from twinstep.server.control.names import parent
+from twinstep.server.detect.stage import describe
 
 if TYPE_CHECKING:
     from twinstep.server.detect.first_divergence import Candidate
 
 
 def ops_target(found: "Candidate") -> tuple[str, str] | None:
-    """(baseline name, candidate name) of the module to capture, or None (not a forward divergence, the root)."""
+    """(baseline name, candidate name) of the module to capture, or None (not a forward divergence, the root,
+    a data divergence)."""
     row, comparison = found.row, found.comparison
     if row.phase != "forward" or not row.name:
         return None
+    if describe(row, comparison, found.previous_params).startswith("data"):
+        return None  # the inputs differ before any module runs: no module's operations hold the cause
     candidate = row.candidate_name or row.name
     input_row = next((r for r in comparison.rows if r.phase == "input" and r.name == row.name
                       and r.call_index == row.call_index), None)

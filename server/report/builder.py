@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from twinstep.server.compare import automatch
 from twinstep.server.compare.comparator import Row, StepComparison
+from twinstep.server.detect import evidence
 from twinstep.server.detect.culprit import explain, growth_factors
+from twinstep.server.report import explained
 from twinstep.server.report.snapshot import CandidateSnapshot, SessionSnapshot
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -44,13 +46,19 @@ def build_report(snapshot: SessionSnapshot) -> pb.Report:
         row, comparison = first.row, first.comparison
         report.first_divergence.CopyFrom(first.to_proto())
         report.stage = report.first_divergence.stage
-        report.culprit = explain(row, comparison)
+        report.culprit = explain(row, comparison, origin=first.origin is not None)
         report.tree.extend(_tree_rows(comparison, row))
     elif snapshot.last_comparison is not None:
         report.tree.extend(_tree_rows(snapshot.last_comparison, None))
     if snapshot.proposed_mapping:
         report.proposed_mapping = automatch.to_yaml(snapshot.proposed_mapping)
     report.candidates.extend(_candidate_section(candidate) for candidate in snapshot.candidates)
+    divergences = {c.candidate_run: c.first_divergence for c in report.candidates if c.HasField("first_divergence")}
+    explained.join(list(report.preflight), divergences)
+    if report.HasField("first_divergence"):
+        own = divergences.get(report.first_divergence.candidate_run)
+        if own is not None:
+            report.first_divergence.explained_by.extend(own.explained_by)
     return report
 
 
@@ -70,7 +78,7 @@ def _candidate_section(candidate: CandidateSnapshot) -> pb.CandidateReport:
     if first is not None:
         section.first_divergence.CopyFrom(first.to_proto())
         section.stage = section.first_divergence.stage
-        section.culprit = explain(first.row, first.comparison)
+        section.culprit = explain(first.row, first.comparison, origin=first.origin is not None)
         section.tree.extend(_tree_rows(first.comparison, first.row))
         section.tree_step = first.comparison.step
     elif candidate.last_comparison is not None:
@@ -90,6 +98,10 @@ def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleR
         keep = _neighbourhood(first.name)
         rows = [r for r in rows if r is first or _parent(r.name) in keep or r.name in keep]
     growth = growth_factors(comparison)
+    shown = {id(r) for r in rows}
+    index = {id(r): k for k, r in enumerate(comparison.rows) if id(r) in shown}
+    errors = [evidence.error_at(comparison, index[id(r)]) for r in rows]
+    inputs = [evidence.input_error(comparison, r) if r.phase == "forward" else None for r in rows]
     return [
         pb.ModuleRow(
             name=r.name,
@@ -103,8 +115,12 @@ def _tree_rows(comparison: StepComparison, first: Row | None) -> list[pb.ModuleR
             compared=True,
             noise=r.noise,
             growth=growth.get((r.name, r.call_index, r.slot), -1.0),
+            error_metric=error.metric,
+            error=error.value,
+            input_error_metric=given.metric if given is not None else "",
+            input_error=given.value if given is not None else -1.0,
         )
-        for r in rows[: _MAX_ROWS * 2]
+        for r, error, given in list(zip(rows, errors, inputs))[: _MAX_ROWS * 2]
     ]
 
 

@@ -95,6 +95,11 @@ def _divergence(d: pb.Divergence) -> dict[str, Any]:
         "gaps_summary": d.gaps_summary or None,
         "origin": _origin(d),
         "crossed": _crossed(d),
+        "path": [{"step": p.step, "phase": p.phase, "module": p.module, "metric": p.metric, "error": _finite(p.error),
+                  "input_error": _finite(p.input_error) if p.input_error >= 0 else None, "note": p.note}
+                 for p in d.path],
+        "explained_by": [{"category": f.category, "key": f.key, "baseline": f.baseline, "candidate": f.candidate,
+                          "module": f.module, "message": f.message} for f in d.explained_by],
     }
 
 
@@ -112,7 +117,19 @@ def origin_lines(d: pb.Divergence, indent: str = "  ") -> list[str]:
                      f"{c.module or '(model)'!r}: {c.metric} {c.value:.3g} > {c.tolerance:.3g}")
     else:
         lines.append(f"{indent}no tolerance crossed yet")
+    if len(d.path) > 1:
+        lines.append(f"{indent}path from the origin to the crossing (error on one scale; input's in brackets):")
+        for p in d.path:
+            given = f" (input {p.input_error:.3g})" if p.input_error >= 0 else ""
+            lines.append(f"{indent}  step {p.step} {p.phase:<8} {p.module or '(model)'}: {p.metric} {p.error:.3g}"
+                         f"{given}  {p.note}")
     return lines
+
+
+def explained_lines(d: pb.Divergence, indent: str = "  ") -> list[str]:
+    """Preflight findings the divergence goes through ([] when none)."""
+    return [f"{indent}preflight explains it: {f.message} ({f.module or '(model)'} is on the diagnosis)"
+            for f in d.explained_by]
 
 
 def _origin(d: pb.Divergence) -> dict[str, Any] | None:
@@ -232,6 +249,10 @@ def _row(r: pb.ModuleRow) -> dict[str, Any]:
         "compared": r.compared,
         "noise": _finite(r.noise) if r.noise >= 0 else None,
         "growth": _finite(r.growth) if r.growth >= 0 else None,
+        "error_metric": r.error_metric or None,
+        "error": _finite(r.error) if r.error_metric else None,
+        "input_error_metric": r.input_error_metric or None,
+        "input_error": _finite(r.input_error) if r.input_error >= 0 else None,
     }
 
 
@@ -354,6 +375,7 @@ def _divergence_lines(d: pb.Divergence | None, stage: str, culprit: str, tree: A
             f"{'faithful floor' if d.HasField('origin') else 'tolerance'} {d.tolerance:.3g}"
         )
         lines.extend(origin_lines(d))
+        lines.extend(explained_lines(d))
         if d.after_gap:
             lines.append("  after a gap: this is the earliest divergence among the steps compared, and it may have")
             lines.append("  begun where nothing was compared: " + d.gaps_summary)
@@ -398,6 +420,8 @@ def _tree_lines(rows: Any) -> list[str]:
         marker = "  <== first divergence" if r.first else ""
         noise = (f"  noise {r.noise:8.1e}" if r.noise >= 0 else "  noise        -") if with_noise else ""
         growth = f"  x{r.growth:<8.3g}" if r.growth >= 0 else "           "
+        if r.error_metric:
+            growth += f"  err {r.error:8.2e}" + (f" in {r.input_error:8.2e}" if r.input_error >= 0 else " " * 12)
         out.append(
             f"  {label:<{width}}  {r.type[:18]:<18} {r.metric:<9} {r.value:9.2e} / {r.tolerance:8.1e}{noise}{growth}  {verdict}{marker}"
         )

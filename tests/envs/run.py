@@ -89,6 +89,8 @@ INTEGRATION: dict[str, Row] = {
     "test_reproduce.py": Row(FRAMEWORKS, "reproducer bundles: a framework's module pickled and replayed"),
     "test_records_and_batches.py": Row(FRAMEWORKS, "named records and batch sync through each framework"),
     "test_preflight.py": Row(FRAMEWORKS, "optimizer set-ups read from torch and paddle", quick=True),
+    "test_first_hour_pair.py": Row(FRAMEWORKS, "a new user's own small torch/paddle pair: a norm epsilon found where "
+                                   "it starts, tied to its preflight finding"),
     "test_operations.py": Row(FRAMEWORKS, "operations inside a module, traced in each framework"),
     "test_three_way.py": Row(FRAMEWORKS, "several candidates, MindSpore's among them where installed", quick=True),
     "test_mindspore_demo.py": Row(MINDSPORE, "the MindSpore port of the demo (skips where MindSpore is not)"),

@@ -67,6 +67,13 @@ def parser(prog: str, description: str, framework: str) -> argparse.ArgumentPars
     p.add_argument("--init-from-baseline", action="store_true",
                    help="candidate: start from its own random weights and load the baseline's through twinstep "
                         "(attach(init_from_baseline=True)) instead of reading --weights")
+    p.add_argument("--embed-std", type=float, default=None, metavar="STD",
+                   help="std of the initial embedding table (default 0.02; models.unit_embed_std gives a residual "
+                        "stream of order 1). Applied where the weights are made (torch job); a paddle job reads "
+                        "them from --weights, so it ignores the flag")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="linear learning-rate warmup over N steps (models.warmup_factor); give both jobs the same N "
+                        "(default 0: a constant learning rate)")
     return p
 
 

@@ -4,8 +4,9 @@
 
 It waits for the torch job to write --weights, converts them to paddleformers' names
 and layouts (refusing any name or shape mismatch), then trains exactly as the torch
-job does. --bug injects one realistic porting bug (see BUGS), so that the place of
-the first divergence is known in advance. This process never imports torch.
+job does (the optimizer of models.OPTIMIZER; --warmup as given to the torch job).
+--bug injects one realistic porting bug (see BUGS), so that the place of the first
+divergence is known in advance. This process never imports torch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ BUGS: dict[str, str] = {
     "grad_clip": "gradients clipped to global norm 1.0 (the baseline does not clip)",
     "custom_backward": "layers.1.mlp.act_fn in a PyLayer whose hand-written backward is 1.01x too large",
     "batch_order": "the batches of steps 3 and 4 fed in swapped order (a sampler/shuffle mismatch)",
+    "loss_scale": "loss divided by 2 before backward (a gradient-accumulation divisor left in); the loss reported is "
+                  "the undivided one",
+    "label_shift": "labels shifted once more although the batch's targets are already the next tokens",
+    "adam_betas": "Adam beta2 0.99 instead of 0.999",
+    "lr_schedule": "warmup schedule one step ahead (the scheduler stepped once before training); needs --warmup",
+    "rotary_interleaved": "layers.0 attention rotates the other pairs of rotary dimensions (interleaved pairs where "
+                          "the model rotates halves; halves where it interleaves)",
+    "causal_mask": "layers.1 attention called without its causal mask (every token sees the whole sequence)",
+    "layer_bf16": "layers.0.mlp.down_proj's output rounded to bfloat16 (one layer left in low precision)",
 }
 
 NORM_EPS_TARGET = "model.layers.0.input_layernorm"  # sees the embeddings, the smallest inputs of any norm
@@ -43,11 +53,18 @@ BUGGY_ROPE_THETA = 10001.0
 ATTN_SCALE_TARGET = "model.layers.1.self_attn"
 UNTRANSPOSED = frozenset({"model.layers.0.self_attn.o_proj.weight"})
 BUGGY_DROPOUT = 0.1
-BUGGY_LR = 1.1e-3
+BUGGY_LR = round(1.1 * models.LR, 12)  # 1.1e-3 under the default optimizer
 BUGGY_ADAM_EPS = 1e-6
 GRAD_CLIP_NORM = 1.0  # the global gradient norm stays within 9.8..24 over 50 steps: it clips every step
 BACKWARD_SCALE = 1.01
 PERMUTED_STEP = 3
+LOSS_DIVISOR = 2.0
+BUGGY_BETA2 = 0.99
+ROTARY_TARGET = "model.layers.0.self_attn"
+MASK_TARGET = "model.layers.1.self_attn"
+BF16_TARGET = "model.layers.0.mlp.down_proj"
+# Bugs that only an optimizer with the hyper-parameter can carry (models.OPTIMIZER).
+OPTIMIZER_BUGS = {"wd_on_norms": ("adamw",), "adam_eps": ("adamw", "adam"), "adam_betas": ("adamw", "adam")}
 
 WEIGHTS_TIMEOUT = 300.0  # seconds to wait for the torch job's weights file
 _POLL = 0.1
@@ -73,9 +90,14 @@ def wait_for_weights(path: str, meta: dict[str, Any], timeout: float = WEIGHTS_T
 
 
 class PaddlePort:
-    """A paddleformers causal LM loaded from torch weights, its AdamW and the job's loss."""
+    """A paddleformers causal LM loaded from torch weights, its optimizer and the job's loss."""
 
-    def __init__(self, spec: models.ModelSpec, seed: int, torch_state: dict[str, Any] | None, bug: str = "none") -> None:
+    def __init__(self, spec: models.ModelSpec, seed: int, torch_state: dict[str, Any] | None, bug: str = "none",
+                 warmup: int = 0) -> None:
+        if bug in OPTIMIZER_BUGS and models.OPTIMIZER not in OPTIMIZER_BUGS[bug]:
+            raise SystemExit(f"paddle_job: --bug {bug} needs PORTS_OPTIMIZER in {OPTIMIZER_BUGS[bug]}")
+        if bug == "lr_schedule" and warmup < 2:
+            raise SystemExit("paddle_job: --bug lr_schedule needs --warmup 2 or more (in both jobs)")
         # OpenMP reads this at import time; one thread keeps two jobs light on a small box.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         with warnings.catch_warnings():
@@ -112,22 +134,44 @@ class PaddlePort:
             self._set_layer(ACT_TARGET, paddle.nn.GELU())  # exact (erf) GELU
         if bug == "custom_backward":
             self._set_layer(ACT_TARGET, _scaled_grad_activation(paddle, spec))
+        if bug == "rotary_interleaved":
+            _other_rotary_convention(self._layer(ROTARY_TARGET), importlib.import_module(spec.paddle_module))
+        if bug == "causal_mask":
+            _without_mask(self._layer(MASK_TARGET))
+        if bug == "layer_bf16":
+            self._layer(BF16_TARGET).register_forward_post_hook(
+                lambda layer, args, out: out.astype("bfloat16").astype(out.dtype))
 
         named = dict(self.model.named_parameters())
-        no_decay = bug == "wd_on_norms"
-        decayed = {p.name for n, p in named.items() if no_decay or models.decays(n)}
-        self.opt = paddle.optimizer.AdamW(
-            learning_rate=BUGGY_LR if bug == "lr" else models.LR,
-            parameters=list(named.values()),
-            beta1=models.BETAS[0],
-            beta2=models.BETAS[1],
-            epsilon=BUGGY_ADAM_EPS if bug == "adam_eps" else models.EPS,
-            weight_decay=models.WEIGHT_DECAY,
-            # paddle's way to exempt parameters from decay; it is keyed by the framework's
-            # unique parameter name (e.g. "linear_3.w_0"), not the structured name.
-            apply_decay_param_fun=lambda pname: pname in decayed,
-            grad_clip=paddle.nn.ClipGradByGlobalNorm(GRAD_CLIP_NORM) if bug == "grad_clip" else None,
-        )
+        lr: Any = BUGGY_LR if bug == "lr" else models.LR
+        self.schedule = None
+        if warmup:
+            self.schedule = lr = paddle.optimizer.lr.LambdaDecay(lr, models.warmup_factor(warmup))
+            if bug == "lr_schedule":
+                self.schedule.step()  # one step ahead: its step k runs at the baseline's rate of step k + 1
+        clip = paddle.nn.ClipGradByGlobalNorm(GRAD_CLIP_NORM) if bug == "grad_clip" else None
+        beta2 = BUGGY_BETA2 if bug == "adam_betas" else models.BETAS[1]
+        epsilon = BUGGY_ADAM_EPS if bug == "adam_eps" else models.EPS
+        if models.OPTIMIZER == "adamw":
+            no_decay = bug == "wd_on_norms"
+            decayed = {p.name for n, p in named.items() if no_decay or models.decays(n)}
+            self.opt = paddle.optimizer.AdamW(
+                learning_rate=lr,
+                parameters=list(named.values()),
+                beta1=models.BETAS[0],
+                beta2=beta2,
+                epsilon=epsilon,
+                weight_decay=models.WEIGHT_DECAY,
+                # paddle's way to exempt parameters from decay; it is keyed by the framework's
+                # unique parameter name (e.g. "linear_3.w_0"), not the structured name.
+                apply_decay_param_fun=lambda pname: pname in decayed,
+                grad_clip=clip,
+            )
+        elif models.OPTIMIZER == "adam":
+            self.opt = paddle.optimizer.Adam(learning_rate=lr, parameters=list(named.values()), beta1=models.BETAS[0],
+                                             beta2=beta2, epsilon=epsilon, grad_clip=clip)
+        else:
+            self.opt = paddle.optimizer.SGD(learning_rate=lr, parameters=list(named.values()), grad_clip=clip)
 
     def _layer(self, name: str) -> Any:
         layer = self.model
@@ -168,15 +212,66 @@ class PaddlePort:
         return self.model(input_ids=ids, return_dict=True).logits
 
     def train_step(self, ids: Any, tgt: Any) -> Any:
-        """Forward, next-token cross-entropy (mean over all B*S tokens), backward, AdamW step."""
+        """Forward, next-token cross-entropy (mean over all B*S tokens), backward, optimizer step."""
         logits = self.logits(ids)
+        if self.bug == "label_shift":
+            logits, tgt = logits[:, :-1], tgt[:, 1:]  # the shift a model does for labels=input_ids, done again
         loss = self.paddle.nn.functional.cross_entropy(logits.reshape([-1, logits.shape[-1]]), tgt.reshape([-1]))
-        loss.backward()
+        (loss / LOSS_DIVISOR if self.bug == "loss_scale" else loss).backward()
         self.opt.step()
+        if self.schedule is not None:
+            self.schedule.step()
         return loss
 
     def zero_grad(self) -> None:
         self.opt.clear_grad()
+
+
+def _rotate_halves(paddle: Any, x: Any) -> Any:
+    """rotate_half of Llama-style models (GPT-NeoX convention): dimension i pairs with i + d/2."""
+    half = x.shape[-1] // 2
+    return paddle.cat([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _rotate_pairs(paddle: Any, x: Any) -> Any:
+    """rotate_every_two (GPT-J / Meta convention): dimension 2i pairs with 2i + 1."""
+    return paddle.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).flatten(-2)
+
+
+def _other_rotary_convention(attention: Any, modeling: Any) -> None:
+    """Make one attention layer rotate by the other convention than the model's own rotate_half.
+
+    paddleformers' attention calls its module's rotate_half (through apply_rotary_pos_emb)
+    by global name, so the layer's forward swaps that global for its own call only; the
+    model's other layers and the backward pass (recorded by autograd) are untouched.
+    """
+    import paddle
+
+    probe = modeling.rotate_half(paddle.arange(4, dtype="float32")).tolist()
+    halves = probe == [-2.0, -3.0, 0.0, 1.0]
+    other = _rotate_pairs if halves else _rotate_halves
+    forward = attention.forward
+
+    def swapped(*args: Any, **kwargs: Any) -> Any:
+        own, modeling.rotate_half = modeling.rotate_half, lambda x: other(paddle, x)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            modeling.rotate_half = own
+
+    attention.forward = swapped
+
+
+def _without_mask(attention: Any) -> None:
+    """One attention layer called without its mask: a forward pre-hook drops the mask arguments,
+    and the layer stops declaring itself causal (the SDPA path that paddleformers' Gemma3 takes
+    when no mask is passed reads ``is_causal``)."""
+    attention.is_causal = False
+
+    def drop(layer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return args, {**kwargs, "attention_mask": None, "attn_mask_startend_row_indices": None}
+
+    attention.register_forward_pre_hook(drop, with_kwargs=True)
 
 
 def _scaled_grad_activation(paddle: Any, spec: models.ModelSpec) -> Any:
@@ -228,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = models.spec(args.model)
     # --init-from-baseline: no conversion here; twinstep's attach loads the baseline's weights (weight sync).
     state = None if args.init_from_baseline else wait_for_weights(args.weights, {"model": spec.name, "seed": args.seed})
-    trainer = PaddlePort(spec, args.seed, state, args.bug)
+    trainer = PaddlePort(spec, args.seed, state, args.bug, args.warmup)
     return loop.run(args, trainer, {"framework": "paddle", "bug": args.bug})
 
 

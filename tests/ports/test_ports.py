@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.ports import models
-from tests.ports.corpus import DETECTABLE, FUSED_MAPPING, NEED_REFERENCE, run_pair
+from tests.ports.corpus import DETECTABLE, FUSED_MAPPING, GUIDE, NEED_REFERENCE, run_pair
 from tests.ports.sessions import Candidate, run_session
+from twinstep.server.report.agreement import check_words
 from twinstep.server import serve
 from twinstep.server.config import config_from_dict
 from twinstep.server.report.render import render_text
@@ -194,3 +195,69 @@ def test_fused_projections_get_full_tensor_metrics(ports_server):
         # a wrong chunk order or layout would give ~1.
         assert 0.0 < rel_l2 < limit / 10, (row.phase, row.name, rel_l2)
     assert seen == {(p, f) for p in ("forward", "backward", "grad", "param") for f in ("qkv_proj", "up_gate_proj")}
+
+
+# ------------------------------------------------------------------ bugs that porting guides list
+# Each sits in code all three models share (the training loop, the optimizer, the attention, a Linear), so one
+# model runs them here; models.EXPECTED_ORIGIN holds all three (python -m tests.ports.paddle_origins), and
+# benchmarks/localization.py runs every model.
+
+GUIDE_MODEL = "phi3"
+#: Steps each candidate trains: adam_betas first parts from the baseline in the update of step 1, and the
+#: trace-back of an error under the tolerances needs the steps after it.
+GUIDE_STEPS = {**dict.fromkeys(GUIDE, 2), "adam_betas": 4}
+
+
+@pytest.fixture(scope="module")
+def guide(ports_server):
+    """One session: the torch baseline and one paddle candidate per bug of GUIDE."""
+    session = f"guide-{GUIDE_MODEL}"
+    candidates = [Candidate(bug, "tests.ports.paddle_job", steps, bug) for bug, steps in GUIDE_STEPS.items()]
+    run_session(ports_server.address, session, GUIDE_MODEL, max(GUIDE_STEPS.values()), candidates)
+    report = ports_server.report_proto(session)
+    sections = {c.candidate_run: c for c in report.candidates}
+    assert set(sections) == set(GUIDE), list(sections)
+    return sections, check_words(report)
+
+
+@pytest.mark.parametrize("bug", GUIDE)
+def test_porting_guide_bug_found_at_its_origin(guide, bug):
+    sections, checks = guide
+    found = sections[bug]
+    # Every sentence of its diagnosis that the checker knows is backed by the numbers beside it.
+    assert all(c.holds for c in checks if c.section == f"candidate {bug}"), [c for c in checks if not c.holds]
+    step, phase, module, _ = models.EXPECTED_ORIGIN[bug][GUIDE_MODEL]
+    assert found.HasField("first_divergence"), f"not found: {found.status} {list(found.status_reasons)}"
+    first = found.first_divergence
+    assert (first.step, first.phase) == (step, phase), first
+    if phase != "param":  # an optimizer bug moves many parameters: whichever crosses first is named
+        assert first.module == module, first
+
+
+def test_a_warmup_one_step_ahead_is_found_in_the_first_update(ports_server):
+    """Both jobs warm the learning rate up over models.SCHEDULE_WARMUP steps; the candidate's scheduler was
+    stepped once before training, so its first update runs at twice the baseline's rate."""
+    run_pair(ports_server.address, "schedule", GUIDE_MODEL, steps=2, bug="lr_schedule", warmup=models.SCHEDULE_WARMUP)
+    report = ports_server.report_proto("schedule")
+    assert report.HasField("first_divergence"), f"not found: {report.status} {list(report.status_reasons)}"
+    first = report.first_divergence
+    assert (first.step, first.phase) == models.EXPECTED_ORIGIN["lr_schedule"][GUIDE_MODEL][:2], first
+
+
+@pytest.mark.parametrize("model", models.MODEL_NAMES)
+def test_norm_epsilon_under_a_residual_stream_of_order_one(ports_server, model):
+    """Embeddings at models.unit_embed_std: the residual stream is of order 1, as in trained models, and an
+    RMSNorm epsilon of 1e-5 instead of 1e-6 moves the first norm's output by 4.5e-6 relative, under every
+    flat tolerance. It is found there, at step 0, with no reference run; the faithful port trained from the
+    same weights stays aligned for 50 steps."""
+    session = f"unit-residual-{model}"
+    candidates = [Candidate("faithful", "tests.ports.paddle_job", 50),
+                  Candidate("norm_eps", "tests.ports.paddle_job", 2, "norm_eps")]
+    run_session(ports_server.address, session, model, 50, candidates,
+                baseline_args=("--embed-std", repr(models.unit_embed_std(model))))
+    sections = {c.candidate_run: c for c in ports_server.report_proto(session).candidates}
+    faithful, found = sections["faithful"], sections["norm_eps"]
+    assert faithful.status == "aligned", f"{faithful.first_divergence}"
+    assert found.HasField("first_divergence"), f"not found: {found.status} {list(found.status_reasons)}"
+    first = found.first_divergence
+    assert (first.step, first.phase, first.module) == models.EXPECTED_ORIGIN_UNIT_RESIDUAL["norm_eps"][model][:3], first

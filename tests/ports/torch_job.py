@@ -2,9 +2,11 @@
 
     python -m tests.ports.torch_job --model phi3 --weights /tmp/w.npz --baseline --server HOST:PORT
 
-It creates the random initial weights (seeded by --seed), writes them to --weights
-in torch names and layouts for the paddle job to load, then trains with AdamW on
-models.batch() data. This process never imports paddle nor paddleformers.
+It creates the random initial weights (seeded by --seed; --embed-std sets the
+embeddings' scale), writes them to --weights in torch names and layouts for the
+paddle job to load, then trains with the optimizer of models.OPTIMIZER (AdamW by
+default; --warmup adds a linear warmup) on models.batch() data. This process never
+imports paddle nor paddleformers.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from . import loop, models
 
 
 class TorchPort:
-    """A transformers causal LM, its AdamW and the job's loss; imports torch on construction."""
+    """A transformers causal LM, its optimizer and the job's loss; imports torch on construction."""
 
-    def __init__(self, spec: models.ModelSpec, seed: int) -> None:
+    def __init__(self, spec: models.ModelSpec, seed: int, embed_std: float | None = None, warmup: int = 0) -> None:
         import torch
 
         # paddleformers' dependencies may install a `torchcodec` stand-in that breaks
@@ -37,22 +39,30 @@ class TorchPort:
         config._attn_implementation = "eager"
         torch.manual_seed(seed)
         self.model = getattr(transformers, spec.torch_class)(config)
-        self._init_weights(seed)
+        self._init_weights(seed, embed_std)
         self.model.train()
         params = dict(self.model.named_parameters())
-        groups = [
-            {"params": [p for n, p in params.items() if models.decays(n)], "weight_decay": models.WEIGHT_DECAY},
-            {"params": [p for n, p in params.items() if not models.decays(n)], "weight_decay": 0.0},
-        ]
-        self.opt = torch.optim.AdamW(groups, lr=models.LR, betas=models.BETAS, eps=models.EPS)
+        if models.OPTIMIZER == "adamw":
+            groups = [
+                {"params": [p for n, p in params.items() if models.decays(n)], "weight_decay": models.WEIGHT_DECAY},
+                {"params": [p for n, p in params.items() if not models.decays(n)], "weight_decay": 0.0},
+            ]
+            self.opt = torch.optim.AdamW(groups, lr=models.LR, betas=models.BETAS, eps=models.EPS)
+        elif models.OPTIMIZER == "adam":
+            self.opt = torch.optim.Adam(list(params.values()), lr=models.LR, betas=models.BETAS, eps=models.EPS,
+                                        weight_decay=0.0)
+        else:
+            self.opt = torch.optim.SGD(list(params.values()), lr=models.LR)
+        # Advanced after every optimizer step (train_step), as paddle_job's LambdaDecay.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, models.warmup_factor(warmup)) if warmup else None
 
-    def _init_weights(self, seed: int) -> None:
+    def _init_weights(self, seed: int, embed_std: float | None = None) -> None:
         """Draw every parameter from models.init_std with a generator of its own, in name order,
         so the weights depend only on the seed, not on the library's init code."""
         gen = self.torch.Generator().manual_seed(seed)
         with self.torch.no_grad():
             for name, p in sorted(self.model.named_parameters()):
-                std = models.init_std(name, tuple(p.shape))
+                std = models.init_std(name, tuple(p.shape), embed_std)
                 if std is not None:
                     p.copy_(self.torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
 
@@ -72,11 +82,13 @@ class TorchPort:
         return self.model(input_ids=ids).logits
 
     def train_step(self, ids: Any, tgt: Any) -> Any:
-        """Forward, next-token cross-entropy (mean over all B*S tokens), backward, AdamW step."""
+        """Forward, next-token cross-entropy (mean over all B*S tokens), backward, optimizer step."""
         logits = self.logits(ids)
         loss = self.torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
         loss.backward()
         self.opt.step()
+        if self.schedule is not None:
+            self.schedule.step()
         return loss
 
     def zero_grad(self) -> None:
@@ -90,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = models.spec(args.model)
-    trainer = TorchPort(spec, args.seed)
+    trainer = TorchPort(spec, args.seed, args.embed_std, args.warmup)
     models.save_weights(args.weights, trainer.state(), {"model": spec.name, "seed": args.seed})
     return loop.run(args, trainer, {"framework": "torch"})
 

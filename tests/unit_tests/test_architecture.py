@@ -118,6 +118,7 @@ def test_the_server_extra_is_not_a_core_dependency():
 SHARED = {"twinstep", "twinstep._version", "twinstep.wire", "twinstep.wire.phases", "twinstep.wire.codec",
           "twinstep.wire.stats", "twinstep.wire.sketch", "twinstep.wire.layouts", "twinstep.wire.netrules",
           "twinstep.wire.weight_pieces",  # weight sync's pieces: both ends cut and assemble them alike
+          "twinstep.wire.inputs",  # which argument is a call's input: the hooks and the dump reader alike
           # One retry helper (backoff with jitter, a deadline, a stop) for the runtime's gRPC calls and the
           # server's webhooks: standard library only, and no part of the wire contract, so not in twinstep.wire.
           "twinstep._retry",

@@ -195,3 +195,31 @@ def test_a_dump_with_nothing_to_compare_is_refused(capsys, tmp_path):
     target.write_text('{"task": "statistics", "level": "L0", "framework": "pytorch", "data": {}}')
     code, _, err = compare(capsys, FIXTURES / "baseline" / "L0", tmp_path)
     assert code == 2 and f"{tmp_path}: none of its 1 dump.json files holds a tensor" in err, err
+
+
+def test_a_calls_input_is_read_as_capture_reads_it(tmp_path):
+    """The input record is the first positional tensor, else the first keyword tensor (twinstep.wire.inputs);
+    a dump names no forward signature, so keywords count in the order msprobe wrote them (the call's)."""
+    from twinstep.server.ingest.msprobe import DumpFile, read_step
+    from twinstep.wire import phases
+
+    def tensor(mean: float) -> dict:
+        return {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2, 2], "Max": mean, "Min": mean,
+                "Mean": mean, "Norm": 2 * abs(mean), "requires_grad": False}
+
+    number = {"type": "int", "value": 2}
+    calls = {
+        "positional": ([tensor(1)], {"scale": tensor(2)}),
+        "keywords_after_a_number": ([number], {"scale": tensor(3), "hidden_states": tensor(4)}),
+        "keywords_only": ([], {"hidden_states": tensor(5), "attention_mask": tensor(6)}),
+        "nested": ([[tensor(7), tensor(8)]], {"x": tensor(9)}),
+        "no_tensor": ([number], {"n": number}),
+    }
+    data = {f"Module.{name}.Block.forward.0": {"input_args": args, "input_kwargs": kwargs, "output": [tensor(0.5)]}
+            for name, (args, kwargs) in calls.items()}
+    file = tmp_path / "dump.json"
+    file.write_text(json.dumps({"task": "statistics", "level": "L0", "framework": "pytorch", "data": data}))
+    step = read_step(DumpFile(str(file), 0, 0))
+    inputs = {r.name: r.stats[1] / r.stats[0] for r in step.records if r.phase == phases.INPUT}  # sum / count
+    assert inputs == pytest.approx({"positional": 1, "keywords_after_a_number": 3, "keywords_only": 5, "nested": 7})
+    assert all(r.slot == 0 and r.call == 0 for r in step.records if r.phase == phases.INPUT)

@@ -150,3 +150,34 @@ def test_the_inspector_compares_once_both_sides_are_in_in_either_order():
     assert finding.status == "found" and finding.candidate_run == "paddle"
     assert inspector.add(_attention(X, 4.0).message, "torch", 0, 5, "torch", ["paddle"]) == []  # sent again
     assert [f.status for f in inspector.to_proto()] == ["found"]
+
+
+def test_an_input_within_tolerance_that_carries_the_error_is_no_match():
+    """The culprit's inputs must match on one scale of error, not merely be within their tolerance: an input
+    off by 4e-5 (under the forward extrema tolerance, 1e-4) passes on an output off by as much."""
+    x = np.linspace(-1.0, 1.0, 64).reshape(8, 8)
+
+    def trace(offset: float) -> _Trace:
+        t = _Trace("norm")
+        xi = t.external(x * (1 + offset))
+        t.call("gelu", [xi], np.tanh(x * (1 + offset)) * 1.0001 ** (offset > 0), line=5)
+        return t
+
+    finding = compare_traces(trace(0.0).decoded("base"), trace(4e-5).decoded("cand"), TOL, "cand")
+    assert finding.status == "inherited", finding.message
+    assert "already gets inputs off by" in finding.message and "none grows it 10 times" in finding.message
+    created = compare_traces(trace(0.0).decoded("base"), trace(0.0).decoded("cand"), TOL, "cand")
+    assert created.status == "matched"
+
+
+def test_an_operation_that_creates_its_error_says_how_far_its_inputs_are():
+    x = np.linspace(-1.0, 1.0, 64).reshape(8, 8)
+
+    def trace(scale: float) -> _Trace:
+        t = _Trace("norm")
+        xi = t.external(x)
+        t.call("gelu", [xi], np.tanh(x) * scale, line=5)
+        return t
+
+    finding = compare_traces(trace(1.0).decoded("base"), trace(1.001).decoded("cand"), TOL, "cand")
+    assert finding.status == "found" and "while its inputs match exactly" in finding.message, finding.message

@@ -306,6 +306,7 @@ def test_paddle_before_3_2_reads_keywords_through_a_pre_hook(monkeypatch):
     monkeypatch.setattr(paddle_backend, "_POST_HOOK_KWARGS", False)
     test_a_module_called_with_keywords_has_its_input_recorded("paddle")
     test_keyword_capture_detaches_cleanly("paddle")
+    test_nested_keyword_calls_of_one_module_each_record_their_own_input("paddle")
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -323,6 +324,92 @@ def test_keyword_capture_detaches_cleanly(framework):
                  for l in model.sublayers(include_self=True)]
     assert all(len(h) == 0 for group in hooks for h in group)
     assert float(train_step()) == pytest.approx(before)
+
+
+def recursive_keyword_toy(framework: str):
+    """A Block that calls its Scale child, then itself once more, all by keyword: two calls of Block nest.
+
+    Block's forward is ``(hidden_states=None, bias=None, depth=0)``, called as
+    ``block(bias=b, hidden_states=h, depth=1)`` (the call's order is not the signature's);
+    Scale's is ``(hidden_states=None, factor=1.0)``, called as ``scale(factor=3.0, hidden_states=h)``.
+    With x all ones (3 x 4) and b all 0.5: the outer Block's input sums to 12, its Scale's to 12,
+    the inner Block's (3x + b) to 42, the inner Scale's to 42.
+    """
+    if framework == "torch":
+        import torch as fw
+
+        Module, full = fw.nn.Module, (lambda value: fw.full((3, 4), value))
+    else:
+        import paddle as fw
+
+        Module, full = fw.nn.Layer, (lambda value: fw.full([3, 4], value))
+
+    class Scale(Module):
+        def forward(self, hidden_states=None, factor=1.0):
+            return hidden_states * factor
+
+    class Block(Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = Scale()
+
+        def forward(self, hidden_states=None, bias=None, depth=0):
+            out = self.scale(factor=3.0, hidden_states=hidden_states) + bias
+            if depth:
+                out = self(bias=bias, hidden_states=out, depth=depth - 1)
+            return out
+
+    class Toy(Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x, b):
+            return self.block(bias=b, hidden_states=x, depth=1)
+
+    model = Toy()
+    x, b = full(1.0), full(0.5)
+    return model, (lambda: model(x, b))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_nested_keyword_calls_of_one_module_each_record_their_own_input(framework):
+    """A module whose forward calls itself by keyword: each call's input is its own, not the other call's."""
+    model, forward = recursive_keyword_toy(framework)
+    recorder = Recorder(model, backend_for(model), CaptureConfig(parameters=False, backward=False))
+    forward()
+    batch = recorder.finish_step(0, None)
+    recorded = names(recorder, batch)
+    sums = {r: float(batch.device_stats[i][0]) for i, r in enumerate(recorded)}
+    assert not recorder.health.snapshot().failures
+    # Calls are numbered as they end: the inner Block call (0) ends before the outer one (1).
+    assert sums[("input", "block", 0)] == pytest.approx(42.0)
+    assert sums[("input", "block", 1)] == pytest.approx(12.0)
+    assert sums[("input", "block.scale", 0)] == pytest.approx(12.0)
+    assert sums[("input", "block.scale", 1)] == pytest.approx(42.0)
+    assert sums[("input", "", 0)] == pytest.approx(12.0)  # the root, called positionally
+    assert sums[("forward", "block", 1)] == pytest.approx(3 * 42.0 + 6.0)
+
+
+def test_a_call_reader_follows_the_forward_signature():
+    """CallInputs: the recorder's inputs and the first input's place, for positional, keyword and mixed calls."""
+    import torch
+
+    from twinstep.runtime.capture.base import CallInputs
+
+    class Attention(torch.nn.Module):
+        def forward(self, hidden_states=None, position_embeddings=None, attention_mask=None, **extra):
+            return hidden_states
+
+    module, reader = Attention(), CallInputs(torch.Tensor)
+    h, pe, m = torch.ones(2), torch.zeros(2), torch.full((2,), 2.0)
+    assert reader(module, (h, pe), {"attention_mask": m}) == (h, pe)  # a positional tensor first: no keyword read
+    assert reader(module, (), {"attention_mask": m, "later": 1, "hidden_states": h}) == (h, m, 1)
+    assert reader.first(module, (h,), {"attention_mask": m}) == 0
+    assert reader.first(module, (None, pe), {"hidden_states": h}) == 1
+    assert reader.first(module, (), {"attention_mask": m, "hidden_states": h}) == "hidden_states"
+    assert reader.first(module, (), {"extra": h}) == "extra"  # a keyword the signature does not name
+    assert reader.first(module, (None,), {"scale": 2.0}) is None
 
 
 def test_attach_refuses_other_objects():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinstep._version import PROTOCOL_VERSION
+from tests.integration.rawclient import hello, step
 from twinstep.server.config import HaltConfig, ServerConfig
 from twinstep.server.connection import Connection
 from twinstep.server.journal.entries import Entry, Kind
@@ -20,7 +20,6 @@ from twinstep.server.session.actions import (Action, Alert, ArmGiveUp, Commit, C
                                              HaltRuns, HaltWithBundle, Moment, Publish, PublishProgress, Send,
                                              SessionEnded, SetCredit)
 from twinstep.v1 import twinstep_pb2 as pb
-from twinstep.wire import stats
 
 START = Moment(monotonic=1000.0, wall=1_800_000_000.0)
 MANIFEST = pb.Manifest(modules=[pb.ModuleInfo(id=0, name="fc", type="Linear"),
@@ -31,24 +30,10 @@ def at(seconds: float) -> Moment:
     return Moment(START.monotonic + seconds, START.wall + seconds)
 
 
-def records(number: int, head_scale: float = 1.0, rank: int = 0) -> pb.StepRecords:
+def records(number: int, head_scale: float = 1.0) -> pb.StepRecords:
     """Step ``number``'s forward outputs of fc and head (the same values for every run unless scaled)."""
     rng = np.random.default_rng(number)
-    outputs = [(0, rng.normal(size=(4, 8))), (1, rng.normal(size=(4, 2)) * head_scale)]
-    message = pb.StepRecords(rank=rank, step=number)
-    for target, values in outputs:
-        values = np.asarray(values, dtype=np.float32)
-        table = stats.of_array(values)
-        message.phase.append(pb.FORWARD)
-        message.target.append(target)
-        message.call_index.append(0)
-        message.slot.append(0)
-        message.dtype.append(pb.FLOAT32)
-        message.ndim.append(values.ndim)
-        message.dims.extend(values.shape)
-        for name in stats.FIELDS:
-            getattr(message.stats, name).append(table[name][0].item())
-    return message
+    return step(number, [(0, rng.normal(size=(4, 8))), (1, rng.normal(size=(4, 2)) * head_scale)]).step
 
 
 class Run:
@@ -58,8 +43,7 @@ class Run:
         self.core = core
         self.name = name
         self.conn = Connection(f"test:{name}")
-        self.hello = pb.Hello(protocol_version=PROTOCOL_VERSION, session="s", run=name, baseline=baseline,
-                              framework="torch", framework_version="test", rank=0, world_size=1, capture="stats")
+        self.hello = hello("s", name, baseline=baseline).hello
         self.joined = core.join(self.conn, self.hello, now)
         core.add_manifest(self.conn, MANIFEST)
 

@@ -75,20 +75,20 @@ def test_one_factor_on_output_gradients_needs_every_one_to_share_it():
 
 def test_a_module_whose_input_already_differs_is_not_told_to_check_its_implementation():
     own = first([row("forward", "fc"), row("forward", "act", True, type="GELU"), row("input", "act")])
-    assert "(its input matches); check its implementation" in own
+    assert "(its input matches (rms 0)); check the activation variant" in own
     inherited = first([row("forward", "fc"), row("forward", "act", True, type="GELU"), row("input", "act", True)])
-    assert "check its implementation" not in inherited
-    assert ("act (GELU) is the first module whose output differs, and its input already differs "
-            "(rms 1 > 0.5)") in inherited
+    assert "check the activation variant" not in inherited
+    assert ("act (GELU) is the first module over its tolerance, and its input is already off by rms 1 (its "
+            "output by rms 1): the error arises before it") in inherited
 
 
 def test_data_at_step_zero_needs_an_input_that_differs():
     rows = [row("forward", "embed", True, type="Embedding"), row("input", "embed", True)]
     assert first(rows).startswith("data: step 0 differs from its very first module (embed), whose input already "
-                                  "differs (rms 1 > 0.5): the candidate was fed different inputs")
+                                  "differs (rms 1): the candidate was fed different inputs")
     rows = [row("forward", "embed", True, type="Embedding"), row("input", "embed")]
     assert first(rows).startswith("forward: embed (Embedding) is the first module whose output differs (its input "
-                                  "matches)")
+                                  "matches (rms 0))")
 
 
 def test_data_claims_matching_weights_only_when_they_were_compared():
@@ -98,10 +98,26 @@ def test_data_claims_matching_weights_only_when_they_were_compared():
     assert "weights" not in describe(comparison.first, comparison, None)
 
 
+def test_what_to_check_follows_the_kind_of_module():
+    assert "check its epsilon" in first([row("forward", "ln", True, type="LayerNorm"), row("input", "ln")])
+    assert "its weight layout" in first([row("forward", "fc", True, type="Linear"), row("input", "fc")])
+    assert "the rotary base" in first([row("forward", "rope", True, type="RotaryEmbedding"), row("input", "rope")])
+
+
+def test_code_between_hooks_in_an_attention_block_names_what_its_own_code_does():
+    rows = [row("forward", "attn.q"), row("forward", "attn.o", True), row("forward", "attn", True, type="Attention"),
+            row("input", "attn.q"), row("input", "attn.o", True)]
+    text = first(rows)
+    assert "in code between the hooked modules, in attn (Attention): its rotary application, attention mask" in text
+    plain = [row("forward", "mlp.fc1"), row("forward", "mlp.fc2", True), row("forward", "mlp", True, type="MLP"),
+             row("input", "mlp.fc1"), row("input", "mlp.fc2", True)]
+    assert "rotary" not in first(plain) and "in mlp (MLP)" in first(plain)
+
+
 def test_a_later_step_says_its_input_matches_only_when_it_was_compared():
     rows = [row("forward", "embed"), row("forward", "fc", True)]
     assert "yet fc (Linear) differs: a data-dependent" in first(rows, step=2)
-    assert "yet fc (Linear) differs while its input matches" in first([*rows, row("input", "fc")], step=2)
+    assert "yet fc (Linear) differs while its input matches (rms 0)" in first([*rows, row("input", "fc")], step=2)
 
 
 def test_optimizer_says_which_earlier_phases_matched():

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from twinstep.runtime.capture.buffers import HostBufferPool
+from twinstep.wire.inputs import call_inputs, keyword_order  # noqa: F401  (call_inputs: the rule, for the backends)
 
 Tensor = Any
 Module = Any
@@ -41,16 +42,13 @@ class RemovableHandle:
 
 # -- a call's inputs -------------------------------------------------------------
 #
-# The recorder records a module call's first tensor input (CaptureConfig.inputs): the
-# first tensor among the positional arguments, else the first tensor among the keyword
-# arguments taken in the order of the module's forward signature (then any keyword its
-# signature does not name, in call order).  Both frameworks pick the same logical input
-# however a call is spelled: transformers calls attention as
-# ``self_attn(hidden_states=h, position_embeddings=pe, attention_mask=m)`` where
-# paddleformers passes ``hidden_states`` positionally, and ``hidden_states`` comes first
-# in both forward signatures.  A backend hands the recorder ``call_inputs(args, kwargs, ...)``
-# as a call's ``inputs``: the positional arguments alone on the hot path, keyword values
-# appended only for a call whose first positional argument is not a tensor.
+# The recorder records a module call's first tensor input (CaptureConfig.inputs) by the rule
+# of twinstep.wire.inputs: the first tensor among the positional arguments, else the first
+# tensor among the keyword arguments taken in the order of the module's forward signature
+# (then any keyword its signature does not name, in call order).  Each backend's hooks read a
+# call through one :class:`CallInputs` per hooked module: the positional arguments alone on
+# the hot path, keyword values appended only for a call whose first positional argument is
+# not a tensor.
 
 
 def forward_parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
@@ -67,16 +65,45 @@ def forward_parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
                  if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
-def call_inputs(args: tuple, kwargs: dict[str, Any], order: tuple[str, ...]) -> tuple:
-    """``args`` followed by ``kwargs``' values in ``order``, then the values of keywords ``order`` lacks.
+class CallInputs:
+    """One module's calls read by the rule above, for a framework whose tensors are ``tensor_type``.
 
-    The first tensor found in the result is the call's input by the rule above.
+    Make one per hooked module: it reads the module's forward signature (the method named
+    ``forward``: "construct" for MindSpore) once, on the first call that needs it.
     """
-    named = [kwargs[name] for name in order if name in kwargs]
-    if len(named) < len(kwargs):
-        known = set(order)
-        named.extend(value for name, value in kwargs.items() if name not in known)
-    return (*args, *named)
+
+    __slots__ = ("_forward", "_order", "_tensor_type")
+
+    def __init__(self, tensor_type: type | tuple[type, ...], forward: str = "forward") -> None:
+        self._tensor_type = tensor_type
+        self._forward = forward
+        self._order: tuple[str, ...] | None = None
+
+    def order(self, module: Module) -> tuple[str, ...]:
+        """``module``'s forward keyword names in signature order (:func:`forward_parameter_names`)."""
+        if self._order is None:
+            self._order = forward_parameter_names(getattr(module, self._forward))
+        return self._order
+
+    def __call__(self, module: Module, args: tuple, kwargs: dict[str, Any] | None) -> tuple:
+        """The call's ``inputs`` for the recorder (hot): ``args``, with the keyword values appended
+        (:func:`call_inputs`) when the first positional argument is not a tensor."""
+        if kwargs and not (args and isinstance(args[0], self._tensor_type)):
+            return call_inputs(args, kwargs, self.order(module))
+        return args
+
+    def first(self, module: Module, args: tuple, kwargs: dict[str, Any] | None) -> int | str | None:
+        """Where the call's first input is passed: its position in ``args``, its keyword, or None (no
+        tensor passed directly; one inside a list or a dict is not looked for)."""
+        tensor_type = self._tensor_type
+        for position, value in enumerate(args):
+            if isinstance(value, tensor_type):
+                return position
+        if kwargs:
+            for name in keyword_order(kwargs, self.order(module)):
+                if isinstance(kwargs[name], tensor_type):
+                    return name
+        return None
 
 
 class CaptureBackend(ABC):
@@ -84,6 +111,13 @@ class CaptureBackend(ABC):
 
     #: Short framework name sent to the server ("torch", "paddle").
     framework: str = ""
+    #: The framework's tensor class (parameters included), and the name of a module's forward method.
+    tensor_type: type | tuple[type, ...] = ()
+    forward_name: str = "forward"
+
+    def call_reader(self) -> CallInputs:
+        """A reader of one module's calls by the input rule (:class:`CallInputs`): make one per hooked module."""
+        return CallInputs(self.tensor_type, self.forward_name)
 
     @abstractmethod
     def framework_version(self) -> str: ...
@@ -202,8 +236,12 @@ class CaptureBackend(ABC):
         """The wire storage array of a host copy; runs on a background thread."""
 
     @abstractmethod
-    def add_input_hook(self, module: Module, hook: Callable[[Module, tuple], tuple | None]) -> RemovableHandle:
-        """Call ``hook(module, args)`` before every forward call; a returned tuple replaces the args."""
+    def add_input_hook(self, module: Module,
+                       hook: Callable[[Module, tuple, dict[str, Any]], tuple[tuple, dict[str, Any]] | None],
+                       ) -> RemovableHandle:
+        """Call ``hook(module, args, kwargs)`` before every forward call; a returned ``(args, kwargs)``
+        replaces the call's arguments.  ``kwargs`` is {} where the framework passes no keywords to
+        pre-hooks (the hook then sees, and may replace, the positional arguments only)."""
 
     @abstractmethod
     def to_numpy(self, tensor: Tensor) -> np.ndarray:

@@ -73,7 +73,7 @@ class CaptureConfig:
     error from one that inherits it.  Nearly free: an input that another hooked module
     produced reuses that module's statistics.  The input is the call's first positional
     tensor, else its first keyword tensor in the order of the forward signature
-    (twinstep.runtime.capture.base.call_inputs), so that a module one framework calls by
+    (twinstep.wire.inputs), so that a module one framework calls by
     keyword pairs with the other's positional call."""
     stats_workers: int = 1
     """Threads that compute CPU tensors' statistics (and, in tensor modes, make their host

@@ -473,7 +473,7 @@ class ModuleSetup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., values: _Optional[_Iterable[_Union[SetupValue, _Mapping]]] = ...) -> None: ...
 
 class PreflightFinding(_message.Message):
-    __slots__ = ("candidate_run", "category", "key", "baseline", "candidate", "affects", "affects_unlisted", "message", "severity")
+    __slots__ = ("candidate_run", "category", "key", "baseline", "candidate", "affects", "affects_unlisted", "message", "severity", "explained", "explanation")
     CANDIDATE_RUN_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +483,8 @@ class PreflightFinding(_message.Message):
     AFFECTS_UNLISTED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    EXPLAINED_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     candidate_run: str
     category: str
     key: str
@@ -492,7 +494,9 @@ class PreflightFinding(_message.Message):
     affects_unlisted: int
     message: str
     severity: str
-    def __init__(self, candidate_run: _Optional[str] = ..., category: _Optional[str] = ..., key: _Optional[str] = ..., baseline: _Optional[str] = ..., candidate: _Optional[str] = ..., affects: _Optional[_Iterable[str]] = ..., affects_unlisted: _Optional[int] = ..., message: _Optional[str] = ..., severity: _Optional[str] = ...) -> None: ...
+    explained: bool
+    explanation: str
+    def __init__(self, candidate_run: _Optional[str] = ..., category: _Optional[str] = ..., key: _Optional[str] = ..., baseline: _Optional[str] = ..., candidate: _Optional[str] = ..., affects: _Optional[_Iterable[str]] = ..., affects_unlisted: _Optional[int] = ..., message: _Optional[str] = ..., severity: _Optional[str] = ..., explained: _Optional[bool] = ..., explanation: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("protocol_version", "last_step_received", "lossy", "max_step_tensor_bytes")
@@ -654,7 +658,7 @@ class RankHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., capture: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
 
 class Divergence(_message.Message):
-    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary", "origin", "crossed")
+    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary", "origin", "crossed", "path", "explained_by")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -670,6 +674,8 @@ class Divergence(_message.Message):
     GAPS_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     CROSSED_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    EXPLAINED_BY_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     phase: str
@@ -685,7 +691,43 @@ class Divergence(_message.Message):
     gaps_summary: str
     origin: OriginEvidence
     crossed: ToleranceCrossing
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ..., origin: _Optional[_Union[OriginEvidence, _Mapping]] = ..., crossed: _Optional[_Union[ToleranceCrossing, _Mapping]] = ...) -> None: ...
+    path: _containers.RepeatedCompositeFieldContainer[PathStep]
+    explained_by: _containers.RepeatedCompositeFieldContainer[ExplainedFinding]
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ..., origin: _Optional[_Union[OriginEvidence, _Mapping]] = ..., crossed: _Optional[_Union[ToleranceCrossing, _Mapping]] = ..., path: _Optional[_Iterable[_Union[PathStep, _Mapping]]] = ..., explained_by: _Optional[_Iterable[_Union[ExplainedFinding, _Mapping]]] = ...) -> None: ...
+
+class PathStep(_message.Message):
+    __slots__ = ("step", "phase", "module", "metric", "error", "input_error", "note")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    phase: str
+    module: str
+    metric: str
+    error: float
+    input_error: float
+    note: str
+    def __init__(self, step: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., metric: _Optional[str] = ..., error: _Optional[float] = ..., input_error: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
+
+class ExplainedFinding(_message.Message):
+    __slots__ = ("category", "key", "baseline", "candidate", "module", "message")
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    category: str
+    key: str
+    baseline: str
+    candidate: str
+    module: str
+    message: str
+    def __init__(self, category: _Optional[str] = ..., key: _Optional[str] = ..., baseline: _Optional[str] = ..., candidate: _Optional[str] = ..., module: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OriginEvidence(_message.Message):
     __slots__ = ("evidence", "rule", "ratio", "evidence_step", "involved", "involved_total")
@@ -848,7 +890,7 @@ class ReportRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class ModuleRow(_message.Message):
-    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared", "noise", "growth")
+    __slots__ = ("name", "type", "candidate_name", "metric", "value", "tolerance", "divergent", "first", "compared", "noise", "growth", "error_metric", "error", "input_error_metric", "input_error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -860,6 +902,10 @@ class ModuleRow(_message.Message):
     COMPARED_FIELD_NUMBER: _ClassVar[int]
     NOISE_FIELD_NUMBER: _ClassVar[int]
     GROWTH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_METRIC_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ERROR_METRIC_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: str
     candidate_name: str
@@ -871,7 +917,11 @@ class ModuleRow(_message.Message):
     compared: bool
     noise: float
     growth: float
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ..., noise: _Optional[float] = ..., growth: _Optional[float] = ...) -> None: ...
+    error_metric: str
+    error: float
+    input_error_metric: str
+    input_error: float
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., candidate_name: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., divergent: _Optional[bool] = ..., first: _Optional[bool] = ..., compared: _Optional[bool] = ..., noise: _Optional[float] = ..., growth: _Optional[float] = ..., error_metric: _Optional[str] = ..., error: _Optional[float] = ..., input_error_metric: _Optional[str] = ..., input_error: _Optional[float] = ...) -> None: ...
 
 class LongRun(_message.Message):
     __slots__ = ("candidate_run", "steps", "window", "first_loss_abs", "first_loss_rel", "loss_mean_abs", "loss_mean_rel", "loss_mean_signed", "grad_norm_mean_rel", "reference_loss_mean_abs", "reference_grad_norm_mean_rel", "verdicts", "coverage")

@@ -31,9 +31,7 @@ import mindspore
 import numpy as np
 
 from twinstep.wire import stats
-from twinstep.runtime.capture.base import (
-    CaptureBackend, RemovableHandle, UnsupportedTensor, call_inputs, forward_parameter_names,
-)
+from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.runtime.capture.buffers import HostBufferPool, pooled_copy
 from twinstep.runtime.capture.mindspore.sketch import MindSporeSketcher
 from twinstep.wire.sketch import SketchSpec
@@ -77,6 +75,8 @@ def _is_cpu(tensor: mindspore.Tensor) -> bool:
 
 class MindSporeBackend(CaptureBackend):
     framework = "mindspore"
+    tensor_type = mindspore.Tensor
+    forward_name = "construct"
 
     def __init__(self) -> None:
         check_pynative()
@@ -121,16 +121,11 @@ class MindSporeBackend(CaptureBackend):
                 yield name, param, cell_name, type(cell).__name__
 
     def add_output_hook(self, module: mindspore.nn.Cell, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
-        order: tuple[str, ...] | None = None  # construct's keyword names, read on the first keyword-only call
+        inputs = self.call_reader()
 
         def forward_hook(cell: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-            nonlocal order
             self._hook_calls += 1
-            if kwargs and not (args and isinstance(args[0], mindspore.Tensor)):
-                if order is None:
-                    order = forward_parameter_names(cell.construct)
-                args = call_inputs(args, kwargs, order)
-            hook(cell, args, output)
+            hook(cell, inputs(cell, args, kwargs), output)
 
         self._watching_outputs = True
         # with_kwargs (MindSpore >= 2.7, the oldest supported): a cell called by keyword has its input recorded.
@@ -251,8 +246,17 @@ class MindSporeBackend(CaptureBackend):
     def storage_array(self, copy: np.ndarray) -> np.ndarray:
         return copy
 
-    def add_input_hook(self, module: mindspore.nn.Cell, hook: Callable[[Any, tuple], tuple | None]) -> RemovableHandle:
-        return RemovableHandle(module.register_forward_pre_hook(hook).remove)
+    def add_input_hook(self, module: mindspore.nn.Cell,
+                       hook: Callable[[Any, tuple, dict[str, Any]], tuple[tuple, dict[str, Any]] | None],
+                       ) -> RemovableHandle:
+        try:
+            return RemovableHandle(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
+        except TypeError:  # a MindSpore whose pre-hooks take no keywords: positional arguments only
+            def positional(cell: Any, args: tuple) -> tuple | None:
+                replaced = hook(cell, args, {})
+                return None if replaced is None else replaced[0]
+
+            return RemovableHandle(module.register_forward_pre_hook(positional).remove)
 
     def to_numpy(self, tensor: mindspore.Tensor) -> np.ndarray:
         if _dtype_name(tensor) == "bfloat16":

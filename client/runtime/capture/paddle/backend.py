@@ -12,9 +12,7 @@ import numpy as np
 import paddle
 
 from twinstep.wire import stats
-from twinstep.runtime.capture.base import (
-    CaptureBackend, RemovableHandle, UnsupportedTensor, call_inputs, forward_parameter_names,
-)
+from twinstep.runtime.capture.base import CallInputs, CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.runtime.capture.buffers import HostBufferPool, pooled_copy
 from twinstep.runtime.capture.paddle.sketch import PaddleSketcher
 from twinstep.wire.sketch import SketchSpec
@@ -56,6 +54,7 @@ def _dtype_name(tensor: paddle.Tensor) -> str | None:
 
 class PaddleBackend(CaptureBackend):
     framework = "paddle"
+    tensor_type = paddle.Tensor
 
     def framework_version(self) -> str:
         return paddle.__version__
@@ -74,19 +73,10 @@ class PaddleBackend(CaptureBackend):
                 yield name, param, layer_name, type(layer).__name__
 
     def add_output_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
-        order: tuple[str, ...] | None = None  # forward's keyword names, read on the first keyword-only call
-
-        def with_keywords(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any] | None) -> tuple:
-            nonlocal order
-            if kwargs and not (args and isinstance(args[0], paddle.Tensor)):
-                if order is None:
-                    order = forward_parameter_names(layer.forward)
-                return call_inputs(args, kwargs, order)
-            return args
-
+        inputs = self.call_reader()
         if _POST_HOOK_KWARGS:
             def post_hook_kwargs(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-                hook(layer, with_keywords(layer, args, kwargs), output)
+                hook(layer, inputs(layer, args, kwargs), output)
 
             return RemovableHandle(module.register_forward_post_hook(post_hook_kwargs, with_kwargs=True).remove)
         if not _PRE_HOOK_KWARGS:  # no paddle in the supported range lacks both
@@ -94,23 +84,7 @@ class PaddleBackend(CaptureBackend):
                 hook(layer, args, output)
 
             return RemovableHandle(module.register_forward_post_hook(post_hook).remove)
-        pending: list[dict[str, Any] | None] = [None]  # the running call's keywords (calls of one layer do not nest)
-
-        def pre_hook(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any]) -> None:
-            pending[0] = kwargs or None
-
-        def post_hook_pending(layer: paddle.nn.Layer, args: tuple, output: Any) -> None:
-            kwargs, pending[0] = pending[0], None
-            hook(layer, with_keywords(layer, args, kwargs), output)
-
-        pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        post = module.register_forward_post_hook(post_hook_pending)
-
-        def remove() -> None:
-            pre.remove()
-            post.remove()
-
-        return RemovableHandle(remove)
+        return _keywords_through_pre_hook(module, hook, inputs)
 
     def output_tensors(self, output: Any) -> list[paddle.Tensor]:
         found: list[paddle.Tensor] = []
@@ -226,8 +200,17 @@ class PaddleBackend(CaptureBackend):
     def storage_array(self, copy: np.ndarray) -> np.ndarray:
         return copy
 
-    def add_input_hook(self, module: paddle.nn.Layer, hook: Callable[[Any, tuple], tuple | None]) -> RemovableHandle:
-        return RemovableHandle(module.register_forward_pre_hook(hook).remove)
+    def add_input_hook(self, module: paddle.nn.Layer,
+                       hook: Callable[[Any, tuple, dict[str, Any]], tuple[tuple, dict[str, Any]] | None],
+                       ) -> RemovableHandle:
+        if _PRE_HOOK_KWARGS:
+            return RemovableHandle(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
+
+        def positional(layer: paddle.nn.Layer, args: tuple) -> tuple | None:
+            replaced = hook(layer, args, {})
+            return None if replaced is None else replaced[0]
+
+        return RemovableHandle(module.register_forward_pre_hook(positional).remove)
 
     def to_numpy(self, tensor: paddle.Tensor) -> np.ndarray:
         t = tensor.detach()
@@ -255,6 +238,34 @@ class PaddleBackend(CaptureBackend):
         if loss is None or isinstance(loss, paddle.Tensor):
             return loss
         return paddle.to_tensor(float(loss), dtype="float64")
+
+
+def _keywords_through_pre_hook(module: paddle.nn.Layer, hook: Callable[[Any, Any, Any], None],
+                               inputs: CallInputs) -> RemovableHandle:
+    """paddle 3.0 and 3.1: a pre-hook hands each call's keywords to its post-hook.
+
+    One stack per layer: a call pushes its keywords and its post-hook pops them, so a layer
+    that runs again inside its own forward (recursion, or a shared layer reached again through
+    a child) pairs every post-hook with its own call.  A call that raises runs no post-hook and
+    leaves its entry below the later calls' (which still pair up); only an enclosing call of
+    the same layer that catches that error would then read the failed call's keywords.
+    """
+    pending: list[dict[str, Any] | None] = []  # keywords of this layer's running calls, innermost last
+
+    def pre_hook(layer: paddle.nn.Layer, args: tuple, kwargs: dict[str, Any]) -> None:
+        pending.append(kwargs or None)
+
+    def post_hook(layer: paddle.nn.Layer, args: tuple, output: Any) -> None:
+        hook(layer, inputs(layer, args, pending.pop() if pending else None), output)
+
+    pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    post = module.register_forward_post_hook(post_hook)
+
+    def remove() -> None:
+        pre.remove()
+        post.remove()
+
+    return RemovableHandle(remove)
 
 
 def _collect(value: Any, found: list[paddle.Tensor]) -> None:

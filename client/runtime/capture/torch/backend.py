@@ -11,9 +11,7 @@ import numpy as np
 import torch
 
 from twinstep.wire import stats
-from twinstep.runtime.capture.base import (
-    CaptureBackend, RemovableHandle, UnsupportedTensor, call_inputs, forward_parameter_names,
-)
+from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.runtime.capture.buffers import HostBufferPool
 from twinstep.runtime.capture.torch.sketch import TorchSketcher
 from twinstep.wire.sketch import SketchSpec
@@ -44,6 +42,7 @@ _OFFLOAD_MIN = 1 << 14
 
 class TorchBackend(CaptureBackend):
     framework = "torch"
+    tensor_type = torch.Tensor
     _copies_in_flight = False  # a non-blocking device-to-host copy since the last fence
 
     def framework_version(self) -> str:
@@ -63,15 +62,10 @@ class TorchBackend(CaptureBackend):
                 yield name, param, module_name, type(module).__name__
 
     def add_output_hook(self, module: torch.nn.Module, hook: Callable[[Any, Any, Any], None]) -> RemovableHandle:
-        order: tuple[str, ...] | None = None  # forward's keyword names, read on the first keyword-only call
+        inputs = self.call_reader()
 
         def forward_hook(mod: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-            nonlocal order
-            if kwargs and not (args and isinstance(args[0], torch.Tensor)):
-                if order is None:
-                    order = forward_parameter_names(mod.forward)
-                args = call_inputs(args, kwargs, order)
-            hook(mod, args, output)
+            hook(mod, inputs(mod, args, kwargs), output)
 
         # with_kwargs (torch >= 2.0): transformers passes hidden_states to attention by keyword.
         return RemovableHandle(module.register_forward_hook(forward_hook, with_kwargs=True).remove)
@@ -190,8 +184,10 @@ class TorchBackend(CaptureBackend):
             return copy.view(torch.int16).numpy().view(np.uint16)
         return copy.numpy()
 
-    def add_input_hook(self, module: torch.nn.Module, hook: Callable[[Any, tuple], tuple | None]) -> RemovableHandle:
-        return RemovableHandle(module.register_forward_pre_hook(hook).remove)
+    def add_input_hook(self, module: torch.nn.Module,
+                       hook: Callable[[Any, tuple, dict[str, Any]], tuple[tuple, dict[str, Any]] | None],
+                       ) -> RemovableHandle:
+        return RemovableHandle(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
 
     def to_numpy(self, tensor: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
