@@ -32,6 +32,7 @@ import pathlib
 import re
 import types
 import typing
+import unicodedata
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, ClassVar, Iterator, Literal, Mapping
 
@@ -451,8 +452,15 @@ class Resolved:
         return item.key, item.show(value_of(self.config, item)), self.sources.get(item.key, "default")
 
     def describe(self) -> str:
-        """One aligned line per setting: its name, its value and where it came from."""
+        """One aligned line per setting: its name, its value and where it came from (aligned on a terminal:
+        a wide character, as in a CJK session name or path, takes two columns)."""
         rows = [self.header, *(self.row(item) for item in all_settings(type(self.config)))]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self.header) - 1)]
-        return "\n".join("  ".join([*(f"{cell:{width}}" for cell, width in zip(row, widths)), row[-1]]).rstrip()
-                         for row in rows)
+        widths = [max(_columns(row[i]) for row in rows) for i in range(len(self.header) - 1)]
+        return "\n".join("  ".join([*(cell + " " * (width - _columns(cell)) for cell, width in zip(row, widths)),
+                                    row[-1]]).rstrip() for row in rows)
+
+
+def _columns(text: str) -> int:
+    """Terminal columns ``text`` takes: two for a wide (East Asian) character, none for a combining one."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+               for c in text)

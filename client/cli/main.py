@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         from twinstep.runtime.transport.security import explain
 
         details = error.details() or ""
-        print(f"twinstep {args.command}: {error.code().name}: {details}{explain(details)}", file=sys.stderr)
+        print(f"twinstep {args.command}: {error.code().name}: {details}{explain(details, _uses_tls(args))}",
+              file=sys.stderr)
         return 2
     except ValueError as error:
         print(f"twinstep {args.command}: {error}", file=sys.stderr)
@@ -114,6 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _uses_tls(args: argparse.Namespace) -> bool | None:
+    """Whether the command's calls to the server went over TLS (None: not known), for a failure's hint."""
+    if not hasattr(args, "tls_ca") or not getattr(args, "server", None):
+        return None
+    from twinstep.runtime.transport.security import ClientSecurity
+
+    try:
+        return ClientSecurity.resolve(token=args.token, tls_ca=args.tls_ca, tls_client_cert=args.tls_client_cert,
+                                      tls_client_key=args.tls_client_key, insecure=args.insecure).uses_tls(args.server)
+    except (ValueError, AttributeError):
+        return None
 
 
 class _Client:

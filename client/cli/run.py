@@ -89,6 +89,29 @@ def child_environment(args: argparse.Namespace, base: dict[str, str] | None = No
     return env
 
 
+def check_before_start(chosen: settings.AttachSettings) -> None:
+    """Refuse (ValueError: exit code 2) what ``attach`` would refuse inside the training, before it starts.
+
+    ``attach`` checks the same in every process, but there a refusal only logs a line and the training
+    runs on without twinstep, which is not what the command asked for.  Checked here: the settings
+    together (roles, rank), the server's address, the TLS files (read), the token, the sender.  What can
+    fail only later (a server down or not yet up, a token it refuses) stays fail-open: the training runs.
+    """
+    from twinstep.runtime.transport.security import ClientSecurity
+    from twinstep.runtime.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
+    from twinstep.runtime.transport.stream import check_target
+
+    chosen.check()
+    connection = chosen.connection
+    check_target(connection.server or "")
+    # As attach resolves them: an empty value means none, and the environment is not read again.
+    ClientSecurity.resolve(token=connection.token or "", tls_ca=connection.tls_ca or "",
+                           tls_client_cert=connection.tls_client_cert or "",
+                           tls_client_key=connection.tls_client_key or "", insecure=connection.insecure)
+    if chosen.transport.sender == "process" and not SHARED_MEMORY_AVAILABLE:
+        raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")
+
+
 def run(args: argparse.Namespace) -> int:
     command = list(args.training)
     if command[:1] == ["--"]:
@@ -106,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"no {', no '.join(missing)} given: pass --{' --'.join(missing)}, set "
                          f"{', '.join(settings.BY_NAME[m].env for m in missing)}, or put them in the config file")
+    check_before_start(resolved.settings)
     if not command:
         raise ValueError("no training command: twinstep run [OPTIONS] -- python train.py [ARGS]")
     values = resolved.values

@@ -1,7 +1,7 @@
 """``twinstep watch SESSION``: a session's runs, errors and alerts, live.
 
-On a terminal, a live view (rich): per run its step, steps per second, lag
-behind the leading run, dropped steps and capture failures; per candidate the
+On a terminal, a live view (rich): per run its step, steps per second, the
+steps it is behind the furthest run (twinstep.wire.progress), dropped steps and capture failures; per candidate the
 worst error over tolerance of its latest compared step in each stage
 (forward, loss, backward, grad, param); the first divergence once it is
 declared; the latest halts and alerts.  When stdout is not a terminal (a pipe,
@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from twinstep.wire.phases import STEP_ORDER
+from twinstep.wire.progress import STEPS_BEHIND, step_words, steps_behind
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep")
@@ -138,7 +139,7 @@ def format_event(event: pb.Event) -> str:
     kind = event.WhichOneof("body")
     if kind == "progress":
         runs = " | ".join(
-            f"{r.name}{'*' if r.baseline else ''} step {r.last_step} {r.state}"
+            f"{r.name}{'*' if r.baseline else ''} {step_words(r.last_step)}{',' if r.last_step < 0 else ''} {r.state}"
             + (f" dropped {r.dropped}" if r.dropped else "")
             + (f" capture-failures {failures}" if (failures := capture_failures(r)) else "")
             for r in event.progress.runs
@@ -242,24 +243,26 @@ class LiveView:
 
         now = time.monotonic()
         status = "diverged" if self.divergences else "halted" if self.halted else \
-            "ended" if all_ended(self.progress) else "running"
+            "ended" if all_ended(self.progress) else \
+            "waiting" if self.progress.runs and all(r.state in _ENDED for r in self.progress.runs) else "running"
         style = {"diverged": "bold red", "halted": "bold red", "ended": "bold green"}.get(status, "bold")
         title = Text.assemble(("twinstep watch ", "bold"), (self.session, "bold cyan"), f"  {self.server}  ",
                               (status.upper(), style), f"  compared {self.progress.steps_compared} step(s)")
         parts: list = [title]
 
         runs = Table(expand=False, box=None, pad_edge=False, header_style="bold")
-        for column in ("run", "role", "state", "step", "steps/s", "lag", "dropped", "capture failures"):
+        for column in ("run", "role", "state", "step", "steps/s", STEPS_BEHIND, "dropped", "capture failures"):
             runs.add_column(column, justify="left" if column in ("run", "role", "state") else "right")
-        leader = max((r.last_step for r in self.progress.runs), default=-1)
-        for r in self.progress.runs:
+        behind = steps_behind([r.last_step for r in self.progress.runs])
+        for r, lag in zip(self.progress.runs, behind):
             role = "baseline" if r.baseline else "reference" if r.reference else "candidate"
             rate = self.rates.get(r.name, _Rate()).per_second(now, r.state in _ENDED)
             state_style = {"streaming": "green", "finished": "", "halted": "red", "lost": "bold red"}.get(r.state, "")
             dropped = ", ".join(f"{n} {why}" for why, n in sorted(r.dropped_by_reason.items())) or str(r.dropped)
             failures = capture_failures(r)
-            runs.add_row(r.name, role, Text(r.state, style=state_style), str(r.last_step),
-                         "-" if rate is None else f"{rate:.1f}", str(leader - r.last_step if r.last_step >= 0 else "-"),
+            runs.add_row(r.name, role, Text(r.state, style=state_style),
+                         str(r.last_step) if r.last_step >= 0 else step_words(r.last_step),
+                         "-" if rate is None else f"{rate:.1f}", "-" if lag is None else str(lag),
                          Text(dropped, style="yellow" if r.dropped else ""),
                          Text(str(failures), style="yellow" if failures else ""))
         parts.append(Panel(runs, title="runs", title_align="left"))

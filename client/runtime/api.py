@@ -18,7 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from twinstep.runtime import environment, settings
+from twinstep.runtime import environment, logs, settings
 from twinstep._version import PROTOCOL_VERSION, __version__
 from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
 from twinstep.runtime.capture.recorder import CaptureCost
@@ -31,6 +31,7 @@ from twinstep.errors import BatchSyncError, Halted
 from twinstep.runtime.setup import SetupCollector
 from twinstep.runtime.transport import ClientStats, Sender, StreamClient, StreamConfig
 from twinstep.runtime.transport.security import ClientSecurity
+from twinstep.runtime.transport.ledger import not_sent_in_words
 from twinstep.runtime.transport.shared_memory import AVAILABLE as SHARED_MEMORY_AVAILABLE
 from twinstep.runtime.transport.sidecar import SidecarClient
 from twinstep.v1 import twinstep_pb2 as pb
@@ -306,8 +307,11 @@ class Monitor:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        stats = self._client.stats
         if self._weights is not None:  # the upload of the initial weights, if it is still going
-            self._weights.close(timeout)
+            # Not for long to a server the stream has never reached (the same address): close ends at once.
+            unreached = stats.failed_before_reached and not stats.reached
+            self._weights.close(min(timeout, 1.0) if unreached else timeout)
         self._batches.close(timeout)
         self._finish_bundles()
         self._finish_ops(None)  # an armed capture gives the module its forward back
@@ -321,9 +325,14 @@ class Monitor:
             self._client.send_health(changes)
         reason = "halted" if self._halt is not None else "finished"
         self._client.close(reason, self._step - 1, timeout)
-        dropped = {k: v for k, v in self._client.stats.dropped.items() if v}
-        if dropped:
-            logger.warning("twinstep: run %r rank %d dropped steps: %s", self.run, self.rank, dropped)
+        # A server that refused the run was reached: the refusal was logged, and its drops are said so.
+        reached = stats.reached or bool(stats.rejected)
+        not_sent = not_sent_in_words(stats.dropped, reached=reached)
+        if not reached:
+            logger.warning("twinstep: run %r rank %d never reached the comparison server at %s%s", self.run, self.rank,
+                           self.settings.connection.server, f": {not_sent}" if not_sent else "")
+        elif not_sent:
+            logger.warning("twinstep: run %r rank %d: %s", self.run, self.rank, not_sent)
 
     def detach(self) -> None:
         """Alias of :meth:`close`."""
@@ -603,6 +612,7 @@ def attach(
 def start(model: Any, chosen: settings.AttachSettings, *, optimizer: Any | None = None) -> Monitor:
     """``attach`` with every setting resolved (twinstep.runtime.settings): check them and start the monitor."""
     chosen.check()
+    logs.install()  # twinstep's lines in its own words and format, once each (twinstep.runtime.logs)
     connection, capture = chosen.connection, chosen.capture
     if chosen.transport.sender == "process" and not SHARED_MEMORY_AVAILABLE:
         raise ValueError("sender='process' needs shared memory files (os.memfd_create, Linux)")

@@ -6,13 +6,19 @@ as it judges two live trainings.  With ``isolate=True`` every module of
 ``model_b`` is fed the input the same module of ``model_a`` saw, so each
 module's own error shows apart from what it inherits (forward only: the
 substituted inputs cut the backward graph).
+
+A call leaves both models' gradients as it found them, and its embedded
+server keeps its own lines below ERROR out of the caller's log.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import uuid
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from twinstep.runtime.api import attach
 from twinstep.runtime.capture import backend_for
@@ -56,14 +62,41 @@ def compare(
     ``loss_a``/``loss_b`` turn a model's output into a scalar loss (default:
     the sum of the means of its floating outputs).  ``config`` is a
     ``twinstep.server.ServerConfig`` (tolerances, name mapping).
+
+    Gradients: the call sets aside the gradients both models hold (from
+    the caller's own backward or an earlier call), runs from none, and puts
+    them back when it returns: the report holds this call's gradients only,
+    a second call on the same models gives the same verdict, and the models'
+    ``.grad`` are what they were before.  With ``isolate=True`` no
+    backward runs, so no parameter gradient is compared.
+
+    Logging: the embedded server's own lines below ERROR (listening, runs
+    joining and ending, alerts the report repeats) stay out of the caller's
+    log; its errors, and the lines of the two attached runs (the divergence
+    they are told of, what they could not capture), still reach it.
     """
     from twinstep.server import ServerConfig, serve  # single-process mode embeds the server
 
-    handle = serve(port=0, config=config or ServerConfig())
     session = f"compare-{uuid.uuid4().hex[:8]}"
+    backend_a, backend_b = backend_for(model_a), backend_for(model_b)
+    with ExitStack() as scope:
+        scope.enter_context(_quiet_server_lines(session))
+        scope.enter_context(_gradients_set_aside(model_a, backend_a))
+        scope.enter_context(_gradients_set_aside(model_b, backend_b))
+        handle = serve(port=0, config=config or ServerConfig())
+        try:
+            return _run_both(handle, session, model_a, model_b, backend_a, backend_b, inputs_a, inputs_b,
+                             loss_a, loss_b, isolate, capture)
+        finally:
+            handle.stop(grace=0.5)
+
+
+def _run_both(handle: Any, session: str, model_a: Any, model_b: Any, backend_a: CaptureBackend,
+              backend_b: CaptureBackend, inputs_a: Sequence[Any], inputs_b: Sequence[Any],
+              loss_a: Callable[[Any], Any] | None, loss_b: Callable[[Any], Any] | None, isolate: bool,
+              capture: str) -> CompareResult:
+    substitutes: list[RemovableHandle] = []
     try:
-        backend_a, backend_b = backend_for(model_a), backend_for(model_b)
-        substitutes: list[RemovableHandle] = []
         if isolate:
             substitutes = _feed_inputs_of(model_a, backend_a, model_b, backend_b, inputs_a)
         for model, backend, inputs, loss_fn, name, baseline in (
@@ -81,12 +114,83 @@ def compare(
                 loss.backward()
             mon.step(loss=loss)
             mon.close()
+    finally:
         for substitute in substitutes:
             substitute.remove()
-        proto = handle.report_proto(session)
-        return CompareResult(report=report_to_dict(proto), proto=proto)
+    proto = handle.report_proto(session)
+    return CompareResult(report=report_to_dict(proto), proto=proto)
+
+
+@contextmanager
+def _gradients_set_aside(model: Any, backend: CaptureBackend) -> Iterator[None]:
+    """The model's parameters start the block with no gradient and end it with the ones they had.
+
+    torch: the gradient tensors themselves are kept and put back.  paddle frees a
+    gradient's buffer when it is cleared, so a copy is kept.  MindSpore parameters
+    hold no gradient between steps: nothing to do.
+    """
+    if backend.framework == "torch":
+        kept = [(p, p.grad) for p in model.parameters()]
+        for p, _ in kept:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, grad in kept:
+                p.grad = grad
+    elif backend.framework == "paddle":
+        import paddle
+
+        with paddle.no_grad():
+            kept = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+        for p, _ in kept:
+            p.clear_gradient(False)
+        try:
+            yield
+        finally:
+            for p, grad in kept:
+                p.clear_gradient(False)
+                if grad is not None:
+                    p.grad = grad
+    else:
+        yield
+
+
+_SERVER_LOG = logging.getLogger("twinstep.server")  # every module of the server logs under this one name
+
+
+class _EmbeddedServerLines(logging.Filter):
+    """Drops the lines below ERROR of one compare call's embedded server.
+
+    Its lines are the ones logged on the calling thread while the call runs
+    (starting and stopping the server) and the ones that name its session;
+    another server in the same process logs neither, so it is not muted.
+    """
+
+    def __init__(self, session: str) -> None:
+        super().__init__()
+        self.session = session
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        if record.thread == self.thread:
+            return False
+        try:
+            return self.session not in record.getMessage()
+        except Exception:  # a malformed record is the handler's to report
+            return True
+
+
+@contextmanager
+def _quiet_server_lines(session: str) -> Iterator[None]:
+    quiet = _EmbeddedServerLines(session)
+    _SERVER_LOG.addFilter(quiet)
+    try:
+        yield
     finally:
-        handle.stop(grace=0.5)
+        _SERVER_LOG.removeFilter(quiet)
 
 
 def _default_loss(backend: CaptureBackend, output: Any) -> Any:

@@ -106,7 +106,8 @@ class _Loader:
             _check(_kernels_numba)
         except Exception as exc:  # no numba for this platform, a compile error: numpy serves
             self._state = "failed"
-            logger.info("twinstep: compiled kernels unavailable (%s); numpy serves", exc, exc_info=True)
+            logger.info("twinstep: compiled kernels unavailable (%s); numpy serves", exc)
+            logger.debug("twinstep: why the compiled kernels are unavailable", exc_info=True)
         else:
             self._kernels = _kernels_numba
             self._state = "ready"

@@ -24,11 +24,12 @@ from prometheus_client.registry import Collector
 from twinstep.server.alert.webhooks import WebhookDispatcher
 from twinstep.server.registry import SessionRegistry
 from twinstep.server.session import Session
+from twinstep.wire.progress import steps_behind
 
 #: Run states and session verdicts, exported as one gauge per value (1 for the current one) so alert
 #: rules can match on them; both sets are fixed by the server.
 RUN_STATES = ("streaming", "finished", "halted", "lost")
-SESSION_STATUSES = ("running", "diverged", "aligned", "incomplete")
+SESSION_STATUSES = ("running", "diverged", "aligned", "incomplete", "waiting")
 #: Drop reasons come from clients; past this many distinct ones per run the rest count as "other",
 #: so a misbehaving client cannot grow the label set without bound.
 MAX_DROP_REASONS = 16
@@ -151,7 +152,8 @@ def _families(rows: list[_SessionRow], budget: int) -> list[Metric]:
     ranks = GaugeMetricFamily("twinstep_run_ranks", "Ranks (world size) the run declared", labels=r)
     last_step = GaugeMetricFamily("twinstep_run_last_step", "Highest step received from the run (-1: none yet)",
                                   labels=r)
-    lag = GaugeMetricFamily("twinstep_run_lag_steps", "Steps this run is behind the session's leading run",
+    lag = GaugeMetricFamily("twinstep_run_lag_steps", "Steps this run is behind the session's furthest run "
+                            "(absent before its first step)",
                             labels=r)
     steps = CounterMetricFamily("twinstep_run_steps_received", "Steps received, summed over the run's ranks",
                                 labels=r)
@@ -182,15 +184,16 @@ def _families(rows: list[_SessionRow], budget: int) -> list[Metric]:
         halts.add_metric([row.name], float(row.halted))
         compared.add_metric([row.name], row.steps_compared)
         session_held.add_metric([row.name], row.held_bytes)
-        leader = max((run.last_step for run in row.runs), default=-1)
-        for run in row.runs:
+        behind = steps_behind([run.last_step for run in row.runs])  # as the dashboard and `twinstep watch` say it
+        for run, lagging in zip(row.runs, behind):
             labels = [row.name, run.name]
             info.add_metric([*labels, run.role, run.framework], 1)
             for value in RUN_STATES:
                 state.add_metric([*labels, value], float(run.state == value))
             ranks.add_metric(labels, run.ranks)
             last_step.add_metric(labels, run.last_step)
-            lag.add_metric(labels, leader - run.last_step)
+            if lagging is not None:  # no step yet: behind by no number
+                lag.add_metric(labels, lagging)
             steps.add_metric(labels, run.steps_received)
             records.add_metric(labels, run.records_received)
             resent.add_metric(labels, run.steps_resent)

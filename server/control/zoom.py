@@ -38,6 +38,7 @@ import grpc
 from twinstep.server.control import names as module_names
 from twinstep.server.control.steps import StepQuery
 from twinstep.server.connection import Connection
+from twinstep.server.report.zoom import what_words
 from twinstep.v1 import twinstep_pb2 as pb
 
 if TYPE_CHECKING:
@@ -76,6 +77,23 @@ class Window:
     runs: list[str] = field(default_factory=list)
     """The runs told (those with an open stream then)."""
     state: str = "sent"
+    """"sent", or why it was not ("not asked: ...")."""
+    captured: dict[str, list[int]] = field(default_factory=dict)
+    """Per run: the first and last step it delivered carrying what the window asked."""
+
+    def asked_by(self, step: int) -> bool:
+        """``step`` is one of the window's (within it, on its cadence)."""
+        spec = self.spec
+        return spec.first_step <= step <= spec.last_step and (step - spec.first_step) % max(spec.every, 1) == 0
+
+    def carried(self, tensors: bool, ops_zoom: int) -> bool:
+        """A step of the window carried what it asked: full tensors, or this window's operations."""
+        spec = self.spec
+        if spec.ops_module and ops_zoom == spec.id:
+            return True
+        if spec.capture in ("tensors", "lossy") and spec.modules:
+            return tensors
+        return not spec.ops_module  # statistics or sketches: any step of the window
 
 
 class ZoomWindows:
@@ -94,12 +112,30 @@ class ZoomWindows:
         del self._windows[:-MAX_WINDOWS]
         return window
 
+    def not_asked(self, spec: pb.ZoomSpec, origin: str, why: str) -> Window:
+        """Keep a window the session decided on but did not ask of any run (the report says why)."""
+        window = self.open(spec, origin)
+        window.state = f"not asked: {why}"
+        return window
+
+    def delivered(self, run: str, step: int, tensors: bool, ops_zoom: int) -> None:
+        """``run`` delivered ``step`` (with full tensors, with the operations ``ops_zoom`` asked): note the
+        windows it ran."""
+        for window in self._windows:
+            if (window.state == "sent" and run in window.per_run and window.asked_by(step)
+                    and window.carried(tensors, ops_zoom)):
+                seen = window.captured.setdefault(run, [step, step])
+                seen[0], seen[1] = min(seen[0], step), max(seen[1], step)
+
     def told_to(self, run: str) -> list[pb.ZoomSpec]:
         """What a stream of ``run`` that joins now is told: the run's recent windows."""
         return [spec for spec in (w.per_run.get(run) for w in self._windows[-16:]) if spec is not None]
 
     def to_proto(self) -> list[pb.ZoomWindow]:
-        return [pb.ZoomWindow(spec=w.spec, origin=w.origin, runs=w.runs, state=w.state) for w in self._windows]
+        return [pb.ZoomWindow(spec=w.spec, origin=w.origin, runs=w.runs, state=w.state,
+                              captured=[pb.ZoomCapture(run=run, first_step=first, last_step=last)
+                                        for run, (first, last) in w.captured.items()])
+                for w in self._windows]
 
 
 def zoom_command(spec: pb.ZoomSpec) -> pb.ServerMessage:
@@ -112,11 +148,16 @@ def told_alert(spec: pb.ZoomSpec, origin: str, runs: list[str]) -> pb.Event:
     steps = (f"step {spec.first_step}" if spec.first_step == spec.last_step
              else f"steps {spec.first_step}-{spec.last_step}")
     bundle = f", a reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else ""
-    if spec.ops_module:
+    if spec.ops_module and spec.modules:
         bundle += f", the operations of {spec.ops_module!r}"
     return pb.Event(alert=pb.AlertNotice(level="info", message=(
-        f"zoom #{spec.id} ({origin}): {', '.join(spec.modules[:8]) or '(model)'} in {spec.capture}, {steps}"
-        f"{bundle}; told: {', '.join(runs) or 'no run'}")))
+        f"zoom #{spec.id} ({origin}): {what_words(spec)}, {steps}{bundle}; told: {', '.join(runs) or 'no run'}")))
+
+
+def not_asked_alert(window: Window) -> pb.Event:
+    """The watchers' line for a window the session decided on and did not ask (window.state says why)."""
+    return pb.Event(alert=pb.AlertNotice(level="info", message=(
+        f"zoom #{window.spec.id} ({window.origin}): {what_words(window.spec)}: {window.state}")))
 
 
 class ZoomCoordinator:
@@ -193,14 +234,19 @@ class ZoomCoordinator:
                          name="twinstep-auto-ops", daemon=True).start()
 
     def _auto_ops(self, session: "Session", found: "Candidate", module: str, candidate_module: str) -> None:
-        conns = session.open_streams()
-        if not conns:
-            return
-        at_step = self.steps.reach([c for c, _ in conns]).earliest
         comparison = found.comparison
-        spec = pb.ZoomSpec(capture="tensors", every=1, first_step=at_step, last_step=at_step, ops_module=module,
+        spec = pb.ZoomSpec(capture="tensors", every=1, first_step=-1, last_step=-1, ops_module=module,
                            divergent_step=comparison.step,
                            reason=f"auto_ops: divergence at step {comparison.step} in the code of {module!r}")
+        why = _why_not(session, found)
+        if why is not None:
+            window = session.skip_zoom(spec, "auto-ops", why)
+            logger.info("session %s: auto_ops #%d after the divergence at step %d: %s", self.session, window.spec.id,
+                        comparison.step, window.state)
+            return
+        conns = session.open_streams()
+        at_step = self.steps.reach([c for c, _ in conns]).earliest
+        spec.first_step = spec.last_step = at_step
 
         def per_run(core: "SessionCore", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
             out = pb.ZoomSpec()
@@ -210,8 +256,8 @@ class ZoomCoordinator:
             return out
 
         window = session.tell_zoom(spec, "auto-ops", per_run)
-        logger.warning("session %s: auto_ops #%d: the operations of %r at step %d (%s)", self.session,
-                       window.spec.id, module, at_step, _runs_words(window.runs))
+        logger.info("session %s: auto_ops #%d after the divergence at step %d: the operations of %r at step %d (%s)",
+                    self.session, window.spec.id, comparison.step, module, at_step, _runs_words(window.runs))
 
     def halt_with_bundle(self, session: "Session", found: "Candidate", reason: str) -> None:
         """bundle_on_halt: every run writes a bundle of the divergent module, then halts (the session decided, once)."""
@@ -221,14 +267,20 @@ class ZoomCoordinator:
     def _auto(self, session: "Session", found: "Candidate", steps: int) -> None:
         row, comparison = found.row, found.comparison
         base_module = module_names.module_of(row.phase, row.name)
-        conns = session.open_streams()
-        if not conns:
-            return
-        reach = self.steps.reach([c for c, _ in conns])
-        spec = pb.ZoomSpec(capture="tensors", every=1, first_step=reach.earliest,
-                           last_step=reach.earliest + max(steps, 1) - 1, divergent_step=comparison.step,
+        spec = pb.ZoomSpec(capture="tensors", every=1, first_step=-1, last_step=-1, divergent_step=comparison.step,
                            reason=f"auto_zoom: divergence at step {comparison.step}, {row.phase} of "
-                                  f"{row.name or '(model)'!r}")
+                                  f"{row.name or 'the whole model'!r}")
+        baseline = session.baseline or ""
+        spec.modules.extend(module_names.escape(n) for n in module_names.neighbourhood(
+            base_module, session.module_names(baseline))[:module_names.MAX_NAMES])
+        why = _why_not(session, found)
+        if why is not None:
+            window = session.skip_zoom(spec, "auto", why)
+            logger.info("session %s: auto_zoom #%d after the divergence at step %d: %s", self.session, window.spec.id,
+                        comparison.step, window.state)
+            return
+        reach = self.steps.reach([c for c, _ in session.open_streams()])
+        spec.first_step, spec.last_step = reach.earliest, reach.earliest + max(steps, 1) - 1
 
         def per_run(core: "SessionCore", run: str, spec: pb.ZoomSpec) -> pb.ZoomSpec:
             own = _run_module(core, run, base_module, found)
@@ -240,13 +292,11 @@ class ZoomCoordinator:
                                [:module_names.MAX_NAMES])
             return out
 
-        baseline = session.baseline or ""
-        spec.modules.extend(module_names.escape(n) for n in module_names.neighbourhood(
-            base_module, session.module_names(baseline))[:module_names.MAX_NAMES])
         window = session.tell_zoom(spec, "auto", per_run)
-        logger.warning("session %s: auto_zoom #%d: %s in full tensors, steps %d-%d (%s)", self.session,
-                       window.spec.id, ", ".join(spec.modules) or "(model)", spec.first_step, spec.last_step,
-                       _runs_words(window.runs))
+        logger.info("session %s: auto_zoom #%d after the divergence at step %d: %s in full tensors, steps %d-%d (%s)",
+                    self.session, window.spec.id, comparison.step,
+                    ", ".join(m or "the whole model" for m in spec.modules), spec.first_step, spec.last_step,
+                    _runs_words(window.runs))
 
     def _bundle_and_halt(self, session: "Session", found: "Candidate", reason: str) -> None:
         at_step = None
@@ -345,6 +395,19 @@ def _run_module(core: "SessionCore", run: str, base_module: str, found: "Candida
     if run == found.comparison.candidate_run and found.row.candidate_name:
         return module_names.module_of(found.row.phase, found.row.candidate_name)
     return _candidate_name(core, run, base_module)
+
+
+def _why_not(session: "Session", found: "Candidate") -> str | None:
+    """Why a zoom after ``found`` would bring nothing to compare: its candidate or the baseline no longer streams."""
+    streaming = {run for _, run in session.open_streams()}
+    candidate, baseline = found.comparison.candidate_run, session.baseline or ""
+    gone = [run for run in (candidate, baseline) if run not in streaming]
+    if not gone:
+        return None
+    names = " and ".join(f"the baseline {run!r}" if run == baseline else f"run {run!r}" for run in gone)
+    after = " and ".join(str(session.last_step(run)) for run in gone)
+    return (f"{names} had ended (after step{'s' if len(gone) > 1 else ''} {after}) before the divergence was declared, "
+            f"so no step of {'them' if len(gone) > 1 else 'it'} could be captured")
 
 
 def _runs_words(runs: list[str] | tuple[str, ...]) -> str:

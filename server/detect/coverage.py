@@ -169,7 +169,8 @@ def coverage_problems(session: _SessionView, only: str | None = None,
     for cand in candidates:
         coverage = session.coverage_of(cand.name)
         if coverage.gaps or coverage.gaps_unlisted:
-            if ((session.halted or cand.name in halted_runs)
+            stopped = any(r.state == "halted" for r in (baseline, cand))  # a halt that reached no run excuses nothing
+            if ((session.halted or cand.name in halted_runs) and stopped
                     and all(g.reason.startswith(f"run {g.run!r} ended") for g in coverage.gaps)):
                 continue  # a halt stops the runs at different steps on purpose
             problems.append(f"run {cand.name!r}: not compared: "

@@ -5,7 +5,9 @@ trainings drift apart, so porting guides judge long runs by windowed averages
 (MindSpore's migration standard): first loss within 0.005 absolute or 0.5%
 relative; mean loss error below 0.01 absolute or 1% relative; mean relative
 error of the global gradient norm at most 10%.  With a reference rerun the
-candidate is also judged against the baseline's own run-to-run error.
+candidate is also judged against the baseline's own run-to-run error, a band
+never narrower than float rounding of the loss (a deterministic rerun's error
+is exactly 0, and no port of another framework matches to the last bit).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ GRAD_NORM_MEAN_REL = 0.10
 #: says nothing; a twentieth of the limit (5e-4 on a loss of order 1) is ~1000x over float32 rounding.
 BIAS_PREMISE = 0.05
 BIAS_MIN_STEPS = 3
+#: The noise band is floored at this many roundings of the mean loss (relative machine epsilon of the loss's
+#: dtype, float32's at least): a faithful float32 port's loss errors are one or two roundings, 1e-7 relative.
+NOISE_FLOOR_ULPS = 4
+#: Relative machine epsilon per floating dtype (bfloat16 has 8 significant bits, float16 11).
+_EPSILON = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 
 
 def loss_and_grad_norm(data: StepData) -> tuple[float, float]:
@@ -42,8 +49,13 @@ def loss_and_grad_norm(data: StepData) -> tuple[float, float]:
 class _Series:
     # step -> rank -> (baseline loss, other loss, baseline grad norm, other grad norm)
     steps: dict[int, dict[int, tuple[float, float, float, float]]] = field(default_factory=dict)
+    loss_dtype: str = ""
+    """The baseline loss's dtype, as first seen ("" until a loss arrives)."""
 
     def add(self, step: int, rank: int, base: StepData, other: StepData) -> None:
+        if not self.loss_dtype:
+            at = np.flatnonzero(base.phase == pb.LOSS)
+            self.loss_dtype = base.dtypes[at[0]] if at.size else ""
         bl, bg = loss_and_grad_norm(base)
         ol, og = loss_and_grad_norm(other)
         self.steps.setdefault(step, {})[rank] = (bl, ol, bg, og)
@@ -105,11 +117,24 @@ class LongRunTracker:
             out.reference_grad_norm_mean_rel = _mean(_abs_rel(ref_rows[:, 2], ref_rows[:, 3])[1])
             band = noise_multiple * out.reference_loss_mean_abs
             if math.isfinite(band):
-                    verdicts.append(_verdict("within the baseline's own noise", out.loss_mean_abs <= band,
-                                         f"mean loss |Δ| {out.loss_mean_abs:.3g} vs {noise_multiple:g} x reference "
-                                         f"{out.reference_loss_mean_abs:.3g}"))
+                detail = (f"mean loss |Δ| {out.loss_mean_abs:.3g} vs {noise_multiple:g} x reference "
+                          f"{out.reference_loss_mean_abs:.3g}")
+                name, epsilon = _rounding(series.loss_dtype)
+                mean_loss = _mean(np.abs(rows[:, 0]))
+                floor = NOISE_FLOOR_ULPS * epsilon * mean_loss
+                if band < floor:  # NaN (no loss) compares False: no floor
+                    band = floor
+                    detail += (f", floored at {name} rounding {floor:.3g} ({NOISE_FLOOR_ULPS} x {epsilon:.3g} x "
+                               f"mean loss {mean_loss:.3g})")
+                verdicts.append(_verdict("within the baseline's own noise", out.loss_mean_abs <= band, detail))
         out.verdicts.extend(verdicts)
         return out
+
+
+def _rounding(dtype: str) -> tuple[str, float]:
+    """(dtype, relative epsilon) of the rounding a loss of ``dtype`` carries: float32's at least."""
+    epsilon = _EPSILON.get(dtype, 0.0)
+    return (dtype, epsilon) if epsilon > _EPSILON["float32"] else ("float32", _EPSILON["float32"])
 
 
 def loss_error_share(mean_abs: float, mean_rel: float) -> float:

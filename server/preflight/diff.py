@@ -3,9 +3,11 @@
 Three parts, each giving findings grouped by (what, baseline value, candidate
 value) with the baseline names they affect:
 
-- run-wide values with the same category and key on both sides (versions of
-  different frameworks are context and skipped; versions of one framework,
-  determinism flags and seeds are ``info``; anything else is a ``warning``);
+- run-wide values with the same category and key on both sides (versions and
+  seeds of different frameworks are skipped: torch's and paddle's random
+  generators differ, so their seeds say nothing about each other; versions of
+  one framework, determinism flags and seeds are ``info``; anything else is a
+  ``warning``);
 - optimizer hyper-parameters per parameter: a candidate parameter maps to its
   baseline name(s) as its module does (a fused ``qkv_proj.weight`` to the
   ``q/k/v_proj.weight`` it stands for), and the values that apply to each are
@@ -31,6 +33,8 @@ from twinstep.v1 import twinstep_pb2 as pb
 MAX_AFFECTS = 20
 #: Categories whose differences are context, not findings that change the numerics.
 INFO_CATEGORIES = frozenset({"version", "determinism", "seed", "tf32"})
+#: Categories compared only between runs of one framework (another framework's are another thing).
+SAME_FRAMEWORK_CATEGORIES = frozenset({"version", "seed"})
 #: What a category is called in a finding's message.
 _WORDS = {"lr": "learning rate", "epsilon": "optimizer epsilon", "weight_decay": "weight decay",
           "betas": "Adam betas", "clipping": "gradient clipping", "loss_scaling": "loss scaling",
@@ -88,7 +92,7 @@ def _diff_values(base: pb.Setup, cand: pb.Setup, mapping: NameMapping, found: _F
     theirs = {(v.category, v.key): v for v in cand.values}
     mine = {(v.category, v.key): v for v in base.values}
     for (category, key), value in mine.items():
-        if category == "version" and base.framework != cand.framework:
+        if category in SAME_FRAMEWORK_CATEGORIES and base.framework != cand.framework:
             continue
         other = theirs.get((category, key))
         if other is not None and not equal(value, other):

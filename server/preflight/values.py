@@ -4,7 +4,9 @@ A value read from the framework (an epsilon, a learning rate) is the number the
 user wrote, through float64 on both sides: 1e-6 relative allows only printing
 noise.  A derived value (a rotary base recovered from a float32 inv_freq table,
 ~1e-7 off) gets 1e-5, still ten times below the smallest corpus difference
-(a rotary base of 10001 against 10000).
+(a rotary base of 10001 against 10000).  A whole number is written as an integer
+(a seed has every digit; one beyond a double's exact range travels as text:
+twinstep.runtime.setup.base.setup_value).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def render(value: pb.SetupValue | None) -> str:
         return "(none)"
     kind = value.WhichOneof("value")
     if kind == "number":
-        text = f"{value.number:.6g}" if value.derived else f"{value.number:.7g}"
+        number = value.number
+        if number.is_integer() and abs(number) < 2.0**64 and not value.derived:
+            return str(int(number))  # a seed, a vocabulary size: every digit, never 4.905462e+18
+        text = f"{number:.6g}" if value.derived else f"{number:.7g}"
         return text + " (derived)" if value.derived else text
     if kind == "flag":
         return "true" if value.flag else "false"

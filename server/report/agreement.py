@@ -58,7 +58,8 @@ _CRITERION_DETAIL = {
                                   rf"({_NUMBER})%\)$"),
     "global grad norm": re.compile(rf"^mean relative error ({_NUMBER})% \(limit ({_NUMBER})%\)$"),
     "within the baseline's own noise": re.compile(rf"^mean loss \|Δ\| ({_NUMBER}) vs ({_NUMBER}) x reference "
-                                                  rf"({_NUMBER})$"),
+                                                  rf"({_NUMBER})(?:, floored at \w+ rounding ({_NUMBER}) \((\d+) x "
+                                                  rf"({_NUMBER}) x mean loss ({_NUMBER})\))?$"),
 }
 
 
@@ -263,7 +264,13 @@ def _criteria(label: str, summary: dict[str, Any]) -> list[Check]:
             reference = summary.get("reference_loss_mean_abs")
             actual = (_float(summary["loss_mean_abs"]), _float(reference if reference is not None else "nan"))
             printed, limits, printed_limits = (float(d[1]), float(d[3])), (), ()
-            within, steps_ok = actual[0] <= float(d[2]) * actual[1], True
+            band = float(d[2]) * actual[1]
+            steps_ok = True
+            if d[4] is not None:  # floored at float rounding: a floor its own factors give, over the band it replaces
+                floor = float(d[4])
+                steps_ok = _printed(floor, int(d[5]) * float(d[6]) * float(d[7])) and band < floor * (1 + 6e-3)
+                band = floor
+            within = actual[0] <= band
         holds = (all(_printed(p, a) for p, a in zip(printed, actual)) and steps_ok and passed == within
                  and all(_printed(p, a) for p, a in zip(printed_limits, limits)))
         out.append(Check(label, "long-run criterion", m[0], holds,

@@ -22,7 +22,7 @@ from twinstep.v1 import twinstep_pb2 as pb
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.8"
+SCHEMA_VERSION = "1.9"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -39,7 +39,7 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
     "inf", "-inf" and "nan", since JSON has no such numbers.
     """
     first = _divergence(report.first_divergence) if report.HasField("first_divergence") else None
-    tree = _tree(report.tree, first)
+    tree = _tree(report.tree, first, _tree_step(report))
     return {
         "schema_version": SCHEMA_VERSION,
         "session": report.session,
@@ -312,7 +312,7 @@ def render_text(report: pb.Report) -> str:
             lines.extend(_candidate_lines(candidate))
     else:
         first = report.first_divergence if report.HasField("first_divergence") else None
-        lines.extend(_divergence_lines(first, report.stage, report.culprit, report.tree, "last compared"))
+        lines.extend(_divergence_lines(first, report.stage, report.culprit, report.tree, _tree_step(report)))
     if report.coverage and not several:
         lines.append("")
         for coverage in report.coverage:
@@ -324,6 +324,9 @@ def render_text(report: pb.Report) -> str:
         if summary.coverage:
             lines.append(f"  ({summary.coverage})")
         lines.extend(f"  {verdict}" for verdict in summary.verdicts)
+        diverged = divergence_of(report, summary.candidate_run)
+        if diverged is not None:
+            lines.append(f"  {long_run_scope(diverged)}")
     if report.headroom:
         lines.append("")
         lines.extend(_headroom_lines(report.headroom))
@@ -347,6 +350,28 @@ def render_text(report: pb.Report) -> str:
     return "\n".join(lines)
 
 
+def _tree_step(report: pb.Report) -> int | None:
+    """The step of the session's tree when no divergence gives it: its only candidate's (None: not known)."""
+    if len(report.candidates) == 1 and report.candidates[0].tree_step >= 0:
+        return report.candidates[0].tree_step
+    return None
+
+
+def divergence_of(report: pb.Report, run: str) -> pb.Divergence | None:
+    """Candidate ``run``'s first divergence (None: it has none)."""
+    for c in report.candidates:
+        if c.candidate_run == run:
+            return c.first_divergence if c.HasField("first_divergence") else None
+    first = report.first_divergence if report.HasField("first_divergence") else None
+    return first if first is not None and first.candidate_run == run else None
+
+
+def long_run_scope(d: pb.Divergence) -> str:
+    """What long-run criteria mean beside a divergence: they judge the loss and gradient norm only."""
+    return (f"these criteria judge only the loss and the global gradient norm: the divergence above "
+            f"(step {d.step}, {d.phase} of {d.module or '(model)'!r}) stands")
+
+
 def _candidate_lines(c: pb.CandidateReport) -> list[str]:
     """One candidate's section: a heading with its verdict, its first divergence and tree, its coverage."""
     halted = "  (halted)" if c.halted else ""
@@ -355,14 +380,15 @@ def _candidate_lines(c: pb.CandidateReport) -> list[str]:
     if c.status_reasons and c.status != "aligned":
         lines.extend(f"  - {reason}" for reason in c.status_reasons)
     first = c.first_divergence if c.HasField("first_divergence") else None
-    tree_step = str(c.tree_step) if c.tree_step >= 0 else "last compared"
+    tree_step = c.tree_step if c.tree_step >= 0 else None
     lines.extend(line for line in _divergence_lines(first, c.stage, c.culprit, c.tree, tree_step) if line)
     if c.coverage:
         lines.append(f"coverage: {c.coverage}")
     return lines
 
 
-def _divergence_lines(d: pb.Divergence | None, stage: str, culprit: str, tree: Any, tree_step: str) -> list[str]:
+def _divergence_lines(d: pb.Divergence | None, stage: str, culprit: str, tree: Any,
+                      tree_step: int | None) -> list[str]:
     """A first divergence (None: none) with its stage and culprit, then the module tree around it."""
     lines: list[str] = []
     if d is not None:
@@ -386,7 +412,8 @@ def _divergence_lines(d: pb.Divergence | None, stage: str, culprit: str, tree: A
         phase = d.phase if d is not None else "forward"
         phase = "named" if phase == "record" else phase  # "named records", not "record records"
         lines.append("")
-        lines.append(f"{phase} records, step {d.step if d is not None else tree_step}:")
+        step = d.step if d is not None else tree_step
+        lines.append(f"{phase} records, {'the last step compared' if step is None else f'step {step}'}:")
         lines.extend(_tree_lines(tree))
     return lines
 
@@ -410,11 +437,20 @@ def _headroom_lines(headroom: Any) -> list[str]:
     return out
 
 
+#: Below the tree: what its columns of errors are.
+TREE_LEGEND = "growth: output error over input error; err: the record's error on one scale; in: its module input's"
+
+
 def _tree_lines(rows: Any) -> list[str]:
+    """A header naming each column, a line per module, and the legend of the error columns."""
     labels = _labels([r.name for r in rows])
-    width = max(len(label) for label in labels)
+    width = max(len("module"), *(len(label) for label in labels))
     with_noise = any(r.noise >= 0 for r in rows)
-    out = []
+    with_errors = any(r.error_metric for r in rows)
+    # Each heading starts where its column's text does on the rows below it.
+    out = [f"  {'module':<{width}}  {'type':<18} {'metric':<9} {'value / tolerance':<20}"
+           + (f"  {'noise':<14}" if with_noise else "") + f"  {'growth':<9}"
+           + (f"  {'err':<12} {'in':<11}" if with_errors else "") + "  verdict"]
     for r, label in zip(rows, labels):
         verdict = "DIVERGED" if r.divergent else "ok"
         marker = "  <== first divergence" if r.first else ""
@@ -422,9 +458,12 @@ def _tree_lines(rows: Any) -> list[str]:
         growth = f"  x{r.growth:<8.3g}" if r.growth >= 0 else "           "
         if r.error_metric:
             growth += f"  err {r.error:8.2e}" + (f" in {r.input_error:8.2e}" if r.input_error >= 0 else " " * 12)
+        elif with_errors:
+            growth += " " * 26
         out.append(
             f"  {label:<{width}}  {r.type[:18]:<18} {r.metric:<9} {r.value:9.2e} / {r.tolerance:8.1e}{noise}{growth}  {verdict}{marker}"
         )
+    out.append(f"  {TREE_LEGEND}" if with_errors else "  growth: output error over input error")
     return out
 
 

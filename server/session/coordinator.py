@@ -125,6 +125,18 @@ class Session:
         self._take(take, journaled=False)
         return told[0]
 
+    def skip_zoom(self, spec: pb.ZoomSpec, origin: str, why: str) -> Window:
+        """Keep a zoom window the session decided on and asked of no run, with why (the report lists it)."""
+        kept: list[Window] = []
+
+        def take(now: Moment) -> list[Action]:
+            window, actions = self.core.skip_zoom(spec, origin, why)
+            kept.append(window)
+            return actions
+
+        self._take(take, journaled=False)
+        return kept[0]
+
     def note_error(self, message: str, kind: str = "") -> None:
         """An error found beside the streams (a damaged recording): in the report's errors, told to watchers."""
         self._take(lambda now: self.core.note_error(message, kind), journaled=False)
@@ -166,10 +178,16 @@ class Session:
         """Everything a report says, copied under the lock: report building never touches live state.
 
         ``long_run=False`` leaves the long-run criteria out: their cost grows with the steps compared
-        (0.15 s at 20k steps), too much for the dashboard's frequent views.
+        (0.15 s at 20k steps), too much for the dashboard's frequent views.  Once the session's time to
+        live is over, its verdict is final (a session that waited for a run says it never came).
         """
         with self._lock:
-            return views.snapshot(self.core, long_run, _batch_sync(self.batches))
+            return views.snapshot(self.core, long_run, _batch_sync(self.batches), final=self._final())
+
+    def _final(self) -> bool:
+        """No run can join any more: it left the registry, or its time to live is over (caller holds the lock)."""
+        ended = self.core.ended_at
+        return self.core.archived or bool(ended and time.time() - ended >= self.config.sessions.ttl)
 
     def snapshot_and_history(self) -> tuple[SessionSnapshot, HistoryCopy]:
         """One consistent moment for the dashboard: the report's snapshot (no long-run criteria) and the history."""
@@ -208,7 +226,7 @@ class Session:
 
     def status_and_reasons(self) -> tuple[str, list[str]]:
         """The verdict, and every shortfall of coverage in sentences (see verdict.status_and_reasons)."""
-        return self._locked(lambda: status_and_reasons(self.core))
+        return self._locked(lambda: status_and_reasons(self.core, final=self._final()))
 
     def first_divergence(self) -> Candidate | None:
         return self._locked(self.core.pipeline.tracker.first)
@@ -230,7 +248,7 @@ class Session:
             return views.metrics(self.core, self.held_bytes())
 
     def open_streams(self) -> list[tuple[Connection, str]]:
-        """Every open stream, with its run's name (those a zoom or a bundle asks where they are)."""
+        """Every stream still streaming, with its run's name (those a zoom or a bundle asks where they are)."""
         return self._locked(self.core.open_streams)
 
     def module_names(self, run: str) -> list[str]:
@@ -272,13 +290,17 @@ class Session:
             return self.core.pipeline.release_all() + self.batches.release_all()
 
     def archive_if_ended(self, keep: Callable[[], None]) -> bool:
-        """If every run has still ended: ``keep`` the report, then refuse any later join; False when one rejoined."""
+        """If every run has still ended: ``keep`` the report, then refuse any later join; False when one rejoined.
+
+        A verdict that waited for a baseline or a candidate is told as final then (watchers and the log).
+        """
         with self._lock:
             if not self.core.members.all_ended():
                 return False
             keep()
-            self.core.archived = True
-            return True
+            self._live.queue(self.core.archive())
+        self._live.carry_out_queue()
+        return True
 
     def close_journal(self, save: Callable[[], None]) -> None:
         """The server is stopping: ``save`` the report, then take no more inputs (they could not be journaled)."""

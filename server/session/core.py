@@ -28,7 +28,7 @@ from twinstep.server.compare.lossy import lossy_bounds
 from twinstep.server.compare.mapping_resolver import MappingResolver
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
-from twinstep.server.control.zoom import Window, ZoomWindows, told_alert, zoom_command
+from twinstep.server.control.zoom import Window, ZoomWindows, not_asked_alert, told_alert, zoom_command
 from twinstep.server.detect.coverage import describe_failure
 from twinstep.server.detect.coverage import failure_kinds as _failure_kinds
 from twinstep.server.detect.first_divergence import Candidate
@@ -318,6 +318,8 @@ class SessionCore:
         ops_found = self._operations_of(conn, message, out) if message.HasField("ops") else []
         out.add(CommitStep(conn.stream_id, message, pieces))
         self._delivered(conn, rank_state, data.step, message, now)
+        self.zooms.delivered(conn.run or "", data.step, bool(data.payloads),
+                             message.ops.zoom_id if message.HasField("ops") else 0)
         rank_state.records_received += len(message.phase)
         if message.HasField("cost"):
             rank_state.add_cost(message.cost)
@@ -383,6 +385,22 @@ class SessionCore:
         out.add(Publish(told_alert(spec, origin, window.runs), keep=True))
         return window, out.items
 
+    def archive(self) -> list[Action]:
+        """The session leaves the registry (its time to live is over): no run can join it any more, so a verdict
+        that waited for a baseline or a candidate is final now, and told."""
+        waited = verdict.waiting_for(self) is not None
+        self.archived = True
+        if not waited:
+            return []
+        out = Actions()
+        out.alert(*verdict.final_words(self))
+        return out.items
+
+    def skip_zoom(self, spec: pb.ZoomSpec, origin: str, why: str) -> tuple[Window, list[Action]]:
+        """Keep a zoom the session decided on and did not ask of any run, with why; watchers are told."""
+        window = self.zooms.not_asked(spec, origin, why)
+        return window, [Publish(not_asked_alert(window), keep=True)]
+
     def note_error(self, message: str, kind: str) -> list[Action]:
         """An error found beside the streams (a damaged recording): listed once in the report, told to watchers."""
         if message not in self.errors:
@@ -431,9 +449,9 @@ class SessionCore:
         return list(seen)
 
     def open_streams(self) -> list[tuple[Connection, str]]:
-        """Every open stream, with its run's name."""
+        """Every stream still streaming, with its run's name (one that said goodbye will capture nothing more)."""
         return [(s.connection, run.name) for run in self.runs.values() for s in run.ranks.values()
-                if s.connection is not None]
+                if s.connection is not None and s.state == "streaming"]
 
     def waiting_streams(self) -> list[Connection]:
         """Lost streams still within their reconnect grace."""

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("twinstep.server")
 
 _PROGRESS_INTERVAL = 0.25
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 class LiveHandler:
@@ -77,8 +78,8 @@ class LiveHandler:
             action.conn.set_credit(action.max_step, action.acked_step)
         elif isinstance(action, PublishProgress):
             self._publish_progress(action.force)
-        elif isinstance(action, Alert):
-            logger.warning("session %s: %s", session.name, action.message)
+        elif isinstance(action, Alert):  # logged at its own level: information is not a warning
+            logger.log(_LEVELS.get(action.level, logging.WARNING), "session %s: %s", session.name, action.message)
             session.events.publish(action.event(), keep=True)
         elif isinstance(action, Publish):
             session.events.publish(action.event, keep=action.keep)

@@ -55,10 +55,11 @@ def progress(core: "SessionCore") -> pb.Progress:
                        stages=core.pipeline.stage_errors.to_proto())
 
 
-def snapshot(core: "SessionCore", long_run: bool, batch_sync: pb.BatchSync | None) -> SessionSnapshot:
-    """Everything a report says (see Session.snapshot)."""
+def snapshot(core: "SessionCore", long_run: bool, batch_sync: pb.BatchSync | None,
+             final: bool = False) -> SessionSnapshot:
+    """Everything a report says (see Session.snapshot; ``final``: no run can join any more)."""
     pipeline = core.pipeline
-    status, reasons = verdict.status_and_reasons(core)
+    status, reasons = verdict.status_and_reasons(core, final)
     coverage = {run: pipeline.coverage_of(run) for run in core.candidates}
     reference = next(iter(core.references), None)
     summaries = []
@@ -90,14 +91,14 @@ def snapshot(core: "SessionCore", long_run: bool, batch_sync: pb.BatchSync | Non
         tensor_steps=tuple(pipeline.tensor_steps.to_proto()),
         operations=tuple(core.operations.to_proto()),
         preflight=tuple(core.preflight.to_proto(core.candidates)),
-        candidates=tuple(_candidate(core, run, coverage[run].summary) for run in core.candidates),
+        candidates=tuple(_candidate(core, run, coverage[run].summary, final) for run in core.candidates),
     )
 
 
-def _candidate(core: "SessionCore", candidate: str, coverage: str) -> CandidateSnapshot:
+def _candidate(core: "SessionCore", candidate: str, coverage: str, final: bool = False) -> CandidateSnapshot:
     """One candidate's section of the report."""
     pipeline = core.pipeline
-    status, reasons = verdict.of_candidate(core, candidate)
+    status, reasons = verdict.of_candidate(core, candidate, final)
     run = core.runs[candidate]
     world = min(run.world_size, core.runs[core.baseline].world_size) if core.baseline in core.runs else 1
     return CandidateSnapshot(

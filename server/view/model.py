@@ -27,8 +27,9 @@ from twinstep.server.view.history import DIVERGENT, EMPTY, CurveCopy, ErrorsCopy
 from twinstep.server.view.tree import module_tree
 from twinstep.server.view.wire import merge_columns
 from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.wire.progress import steps_behind
 
-VIEW_VERSION = "1.1"
+VIEW_VERSION = "2.0"
 LOG10_MIN, LOG10_MAX = -3.0, 3.0
 #: Codes from here up are beyond tolerance.
 OVER = 129
@@ -59,6 +60,7 @@ def build_view(report: pb.Report, history: HistoryCopy | None, live: LiveFacts |
         "history_kept": kept,
         "history_failure": history.failure or None,
         "generated_unix": time.time() if now is None else now,
+        "status_label": _status_label(report),
         "report": report_json,
         "progress": _progress(report, live),
         "divergence": _divergence(report_json),
@@ -73,6 +75,7 @@ def build_view(report: pb.Report, history: HistoryCopy | None, live: LiveFacts |
         "halt": {
             "enabled": bool(live and live.halt_enabled),
             "message": live.halt_message if live else "a kept report: nothing to halt",
+            "outcome": _halt_outcome(report),
         },
         "auth_required": bool(live and live.auth_required),
         "history_revision": history.revision,
@@ -83,10 +86,9 @@ def build_view(report: pb.Report, history: HistoryCopy | None, live: LiveFacts |
 
 
 def _progress(report: pb.Report, live: LiveFacts | None) -> list[dict[str, Any]]:
-    """Per run: role, step, speed, lag behind the baseline, drops and capture health in one line."""
-    baseline = next((r for r in report.runs if r.baseline), None)
+    """Per run: role, step, speed, steps behind the furthest run, drops and capture health in one line."""
     out = []
-    for r in report.runs:
+    for r, behind in zip(report.runs, steps_behind([r.last_step for r in report.runs])):
         failing = [h for h in r.health if h.capture.failures or h.capture.failed_steps]
         records = sum(f.count for h in failing for f in h.capture.failures)
         steps = sum(h.capture.failed_steps for h in failing)
@@ -99,8 +101,7 @@ def _progress(report: pb.Report, live: LiveFacts | None) -> list[dict[str, Any]]
             "ranks": r.ranks,
             "last_step": r.last_step,
             "steps_per_second": None if rate is None or not math.isfinite(rate) else round(rate, 3),
-            "lag_steps": None if baseline is None or r.baseline or r.last_step < 0 or baseline.last_step < 0
-            else baseline.last_step - r.last_step,
+            "steps_behind": behind,
             "dropped": r.dropped,
             "dropped_by_reason": dict(r.dropped_by_reason),
             "capture_ok": not failing,
@@ -108,6 +109,30 @@ def _progress(report: pb.Report, live: LiveFacts | None) -> list[dict[str, Any]]
             f"capture failing on {len(failing)} rank(s): {records} record(s), {steps} whole step(s) not captured",
         })
     return out
+
+
+def _halt_outcome(report: pb.Report) -> str | None:
+    """What a session's halt did: the runs it stopped, the runs still stopping, or that it reached none."""
+    if not report.halted:
+        return None
+    stopped = [r.name for r in report.runs if r.state == "halted"]
+    streaming = [r.name for r in report.runs if r.state == "streaming"]
+    if streaming:
+        return f"Halt sent; waiting for {', '.join(streaming)} to stop."
+    if stopped:
+        return f"Halted: {', '.join(stopped)}."
+    return "The halt reached no run: every run had ended before it."
+
+
+def _status_label(report: pb.Report) -> str:
+    """The header's badge: the verdict, and what a halt did ("halted" only when it stopped a run)."""
+    if not report.halted:
+        return report.status
+    if any(r.state == "streaming" for r in report.runs):
+        return f"{report.status} · halting"
+    if any(r.state == "halted" for r in report.runs):
+        return f"{report.status} · halted"
+    return f"{report.status} · halt reached no run"
 
 
 # -- the first divergence ------------------------------------------------------------------------------

@@ -89,6 +89,8 @@ INTEGRATION: dict[str, Row] = {
     "test_reproduce.py": Row(FRAMEWORKS, "reproducer bundles: a framework's module pickled and replayed"),
     "test_records_and_batches.py": Row(FRAMEWORKS, "named records and batch sync through each framework"),
     "test_preflight.py": Row(FRAMEWORKS, "optimizer set-ups read from torch and paddle", quick=True),
+    "test_while_it_runs.py": Row(FRAMEWORKS, "verdicts that can still change, zooms that never ran, training-side "
+                                 "log lines under paddle's logging"),
     "test_first_hour_pair.py": Row(FRAMEWORKS, "a new user's own small torch/paddle pair: a norm epsilon found where "
                                    "it starts, tied to its preflight finding"),
     "test_operations.py": Row(FRAMEWORKS, "operations inside a module, traced in each framework"),
@@ -115,6 +117,9 @@ INTEGRATION: dict[str, Row] = {
     "test_security.py": Row(ONCE, "TLS, mutual TLS and tokens"),
     "test_coverage.py": Row(ONCE, "gaps named and coverage said: the server's bookkeeping, the client's queue"),
     "test_cli.py": Row(ONCE, "the command line against a server process"),
+    "test_never_reached.py": Row(ONCE, "a run that never reaches its server ends at once and says so"),
+    "test_live_views.py": Row(ONCE, "steps behind and halts in the dashboard and watch"),
+    "test_reading_the_report.py": Row(ONCE, "the demo's report read as a user reads it, and the kept page"),
     "test_alerts.py": Row(ONCE, "Prometheus, webhooks, the terminal watch"),
     "test_dashboard.py": Row(ONCE, "the dashboard in a headless Chromium"),
     "test_docs.py": Row(ONCE, "the docs pages' examples and command lines"),

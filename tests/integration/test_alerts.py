@@ -353,7 +353,7 @@ def test_watch_on_a_terminal_is_a_live_view(world):
         Path(os.environ["TWINSTEP_TEST_SAVE_WATCH"]).write_text(live.raw)
     assert "\x1b[" in live.raw  # drawn, not printed line by line
     assert "twinstep watch alerts" in text and "DIVERGED" in text
-    for expected in ("steps/s", "lag", "dropped", "capture failures", "baseline", "candidate",
+    for expected in ("steps/s", "steps behind", "dropped", "capture failures", "baseline", "candidate",
                      "latest error / tolerance per stage", "DIVERGENCE", "forward of 'layers.1.mlp.act'",
                      "halts and alerts", "HALT: run 'paddle'", "capture is failing"):
         assert expected in text, (expected, text[-4000:])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
+import time
 
 import jsonschema
+import pytest
 
 from tests.conftest import serve_process
 
@@ -86,3 +89,14 @@ def test_demo_without_bug_stays_aligned():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "session 'demo': ALIGNED" in out.stdout
     assert "steps compared: 20" in out.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mindspore") is not None, reason="MindSpore is installed here")
+def test_demo_with_a_mindspore_candidate_refuses_up_front_where_mindspore_is_missing():
+    started = time.monotonic()
+    out = subprocess.run(CLI + ["demo", "--candidate", "paddle,mindspore"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert ("twinstep demo: MindSpore is not installed: pip install 'twinstep[mindspore]' (it brings the numpy<2 "
+            "MindSpore 2.x needs)") in out.stderr, out.stderr
+    assert "server on" not in out.stdout and "Traceback" not in out.stderr  # refused before anything started
+    assert time.monotonic() - started < 60

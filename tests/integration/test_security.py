@@ -255,7 +255,8 @@ def test_self_signed_tls_serves_trusted_clients_only(jobs, tmp_path, caplog):
         caplog.set_level(logging.WARNING, logger="twinstep")
         stats = _train(address, tls_ca=str(other), token=TOKEN_A, session="tls", run="stranger")
         assert stats.steps_sent == 0 and not stats.connected
-        warned = [r.getMessage() for r in caplog.records if r.name == "twinstep" and "lost contact" in r.getMessage()]
+        warned = [r.getMessage() for r in caplog.records if r.name == "twinstep"
+                  and f"cannot reach the comparison server at {address}" in r.getMessage()]  # never reached
         assert len(warned) == 1 and "not trusted" in warned[0] and "TWINSTEP_TLS_CA" in warned[0], warned
 
         # A plaintext CLI call to the TLS server fails with a status, not a hang.
@@ -278,7 +279,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, caplog):
         stats = _train(handle.address, tls_ca=str(cert), run="anonymous", token="")
         assert stats.steps_sent == 0 and not stats.connected
         assert "tls" not in handle.registry.names()
-        warned = [r.getMessage() for r in caplog.records if r.name == "twinstep" and "lost contact" in r.getMessage()]
+        warned = [r.getMessage() for r in caplog.records if r.name == "twinstep" and "cannot reach" in r.getMessage()]
         assert len(warned) == 1 and "client certificate" in warned[0], warned
 
         # The sender process (full tensors) gets the TLS files with its StreamConfig.
@@ -286,5 +287,34 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, caplog):
                        run="trainer", token="", capture="tensors", sender="process")
         assert stats.steps_sent == 2 and not stats.rejected
         wait_for(lambda: handle.report("tls")["runs"][0]["last_step"] == 1)
+    finally:
+        handle.stop(grace=0.5)
+
+
+def test_a_plaintext_client_of_a_tls_server_is_told_the_server_may_speak_tls(tmp_path, caplog):
+    """On loopback a client speaks plaintext unless given TLS files; a TLS server closes that connection."""
+    cert, key = self_signed(tmp_path / "server")
+    handle = serve(port=0, security=ServerSecurity(tls_cert=str(cert), tls_key=str(key)))
+    try:
+        caplog.set_level(logging.WARNING, logger="twinstep")
+        stats = _train(handle.address, run="plain", token="", tls_ca="")
+        assert stats.steps_sent == 0 and not stats.connected
+        warned = [r.getMessage() for r in caplog.records if r.name == "twinstep" and handle.address in r.getMessage()
+                  and "UNAVAILABLE" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert f"cannot reach the comparison server at {handle.address}" in warned[0], warned
+        assert ("the server closed the connection before answering: it may speak TLS while this client speaks "
+                "plaintext (a loopback address is reached in plaintext unless TLS files are given): set "
+                "TWINSTEP_TLS_CA (attach(tls_ca=...), --tls-ca) to the server's certificate or its CA") in warned[0]
+
+        # The command line says the same.
+        out = subprocess.run(CLI + ["report", "tls", "--server", handle.address, "--tls-ca", ""],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "UNAVAILABLE" in out.stderr, out.stderr
+        assert "it may speak TLS while this client speaks plaintext" in out.stderr, out.stderr
+        assert "--tls-ca" in out.stderr
+        # Given the certificate, the same client is served.
+        stats = _train(handle.address, run="trusting", token="", tls_ca=str(cert))
+        assert stats.steps_sent == 2 and not stats.rejected
     finally:
         handle.stop(grace=0.5)

@@ -44,11 +44,13 @@ def verdicts_told(events, count: int) -> list[str]:
     return wait_for(told)
 
 
-def test_baseline_alone_ends_incomplete_not_running(server):
+def test_baseline_alone_waits_for_a_candidate_not_running_nor_judged(server):
     run_stream(server.address, "alone", "torch", range(3), baseline=True)
     report = ended(server, "alone")
-    assert report.status == "incomplete"
-    assert any("no candidate run joined" in reason for reason in report.status_reasons), report.status_reasons
+    assert report.status == "waiting"
+    assert list(report.status_reasons) == [
+        "waiting for a candidate to join (the 3 steps of baseline 'torch' are kept for it); the verdict is told once "
+        "one has run, and is final if no candidate joins within sessions.ttl (3600 s)"]
 
 
 def test_a_candidate_that_joins_after_the_baseline_ended_is_still_compared_and_the_verdict_told_again(server):
@@ -56,14 +58,15 @@ def test_a_candidate_that_joins_after_the_baseline_ended_is_still_compared_and_t
     events = server.registry.get_or_create("late").events
     run_stream(server.address, "late", "torch", range(3), baseline=True)
     ended(server, "late")
-    told = verdicts_told(events, 1)
-    assert len(told) == 1 and "INCOMPLETE: no candidate run joined" in told[0]
-    assert "a candidate that joins within session_ttl" in told[0] and "told again" in told[0]
+    waiting = wait_for(lambda: [e.alert for e in events.history if "waiting for a candidate" in e.alert.message])
+    assert [(a.level, a.message) for a in waiting] == [("info", (
+        "waiting for a candidate to join (the 3 steps of baseline 'torch' are kept for it); the verdict is told once "
+        "one has run, and is final if no candidate joins within sessions.ttl (3600 s)"))]
     run_stream(server.address, "late", "paddle", range(3))
     report = ended(server, "late")
     assert report.status == "aligned" and report.steps_compared == 3, (report.status, report.status_reasons)
-    told = verdicts_told(events, 2)
-    assert len(told) == 2 and told[1] == "every run has ended: aligned over 3 compared step(s)", told
+    told = verdicts_told(events, 1)
+    assert told == ["every run has ended: aligned over 3 compared step(s)"], told  # the first and only verdict
 
 
 def test_candidate_that_ends_early_leaves_the_rest_uncompared(server):

@@ -22,6 +22,6 @@ def test_watching_an_unknown_session_waits_for_it_without_creating_it(server):
     assert server.registry.names() == []
     stream = RawStream(server.address).send(hello("later", "torch", baseline=True)).send(manifest((0, "fc", "Linear")))
     assert stream.next().WhichOneof("body") == "welcome"
-    wait_for(lambda: any("torch* step -1 streaming" in line for line in watcher.lines))
+    wait_for(lambda: any("torch* no step yet, streaming" in line for line in watcher.lines))
     watcher.close()
     stream.close()

@@ -192,6 +192,18 @@ def test_run_execs_the_command_chaining_sitecustomize_and_keeping_its_exit_code(
 @pytest.mark.parametrize("options, message, code", [
     (["--every", "0"], "--every must be an integer >= 1, got '0'", 2),
     (["--server", ""], "no server given", 2),
+    # What attach would refuse inside the training is refused here, before it starts (docs/distributed.md).
+    (["--server", "http://127.0.0.1:9"], "twinstep run: server address 'http://127.0.0.1:9' has a URL scheme; "
+                                         "twinstep speaks gRPC to host:port ('127.0.0.1:9'?)", 2),
+    (["--server", "127.0.0.1"], "twinstep run: server address '127.0.0.1' has no port; expected host:port", 2),
+    (["--tls-ca", "/no/such/ca.pem"], "twinstep run: cannot read the TLS CA /no/such/ca.pem: No such file or "
+                                      "directory", 2),
+    (["--tls-client-cert", "/no/such/client.crt"], "twinstep run: a client certificate needs its key too", 2),
+    (["--token", "two words"], "twinstep run: the token must be printable text without spaces", 2),
+    (["--insecure", "--tls-ca", "/no/such/ca.pem"], "twinstep run: insecure (plaintext) was asked for together "
+                                                     "with TLS files; choose one", 2),
+    (["--baseline", "--init-from-baseline"], "twinstep run: init_from_baseline is for candidates and references", 2),
+    (["--sync-batches", "--baseline"], "twinstep run: sync_batches is a candidate's", 2),
     ([], "no-such-program-for-twinstep' was not found", 127),
 ])
 def test_run_refuses_before_starting_the_training(tmp_path, options, message, code):

@@ -23,44 +23,10 @@ from typing import Any
 import numpy as np
 
 from . import models
+from .full_tensors import dump_torch
 from .mindspore_job import BUGS
 
 PHASES = ("forward", "loss", "backward", "grad", "param")
-
-
-def _dump_torch(steps: int, weights: str) -> dict[str, np.ndarray]:
-    from .torch_job import TorchPort
-
-    port = TorchPort(models.spec("phi3"), 0)
-    models.save_weights(weights, port.state(), {"model": "phi3", "seed": 0})
-    torch = port.torch
-    out: dict[str, np.ndarray] = {}
-    step = [0]
-
-    def forward_hook(name: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            t = output if isinstance(output, torch.Tensor) else next(
-                (o for o in (output.values() if isinstance(output, dict) else output) if isinstance(o, torch.Tensor)), None)
-            if t is None:
-                return
-            out[f"{step[0]}|forward|{name}"] = t.detach().float().numpy().copy()
-            if t.requires_grad:
-                t.register_hook(lambda g: out.__setitem__(f"{step[0]}|backward|{name}", g.float().numpy().copy()))
-        return hook
-
-    for name, module in port.model.named_modules():
-        if name:
-            module.register_forward_hook(forward_hook(name))
-    for s in range(steps):
-        step[0] = s
-        ids, tgt = port.batch(s)
-        loss = port.train_step(ids, tgt)
-        out[f"{s}|loss|loss"] = loss.detach().numpy().reshape(1)
-        for name, p in port.model.named_parameters():
-            out[f"{s}|grad|{name}"] = p.grad.numpy().copy()
-            out[f"{s}|param|{name}"] = p.detach().numpy().copy()
-        port.zero_grad()
-    return out
 
 
 def _dump_mindspore(steps: int, weights: str, bug: str) -> dict[str, np.ndarray]:
@@ -146,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.dump == "torch":
-        _save(args.out, _dump_torch(args.steps, args.weights))
+        _save(args.out, dump_torch("phi3", args.steps, args.weights))
         return 0
     if args.dump == "mindspore":
         _save(args.out, _dump_mindspore(args.steps, args.weights, args.bug))

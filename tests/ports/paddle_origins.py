@@ -29,48 +29,8 @@ from typing import Any
 import numpy as np
 
 from . import models
+from .full_tensors import dump_torch, first_tensor
 from .mindspore_origins import _load, _rel_l2, _save, origin
-
-
-def _first_tensor(output: Any, kind: type) -> Any:
-    if isinstance(output, kind):
-        return output
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    return next((o for o in values if isinstance(o, kind)), None)
-
-
-def _dump_torch(model: str, steps: int, weights: str, embed_std: float | None, warmup: int) -> dict[str, np.ndarray]:
-    from .torch_job import TorchPort
-
-    port = TorchPort(models.spec(model), 0, embed_std, warmup)
-    models.save_weights(weights, port.state(), {"model": model, "seed": 0})
-    torch = port.torch
-    out: dict[str, np.ndarray] = {}
-    step = [0]
-
-    def forward_hook(name: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            t = _first_tensor(output, torch.Tensor)
-            if t is None:
-                return
-            out[f"{step[0]}|forward|{name}"] = t.detach().float().numpy().copy()
-            if t.requires_grad:
-                t.register_hook(lambda g: out.__setitem__(f"{step[0]}|backward|{name}", g.float().numpy().copy()))
-        return hook
-
-    for name, module in port.model.named_modules():
-        if name:
-            module.register_forward_hook(forward_hook(name))
-    for s in range(steps):
-        step[0] = s
-        ids, tgt = port.batch(s)
-        loss = port.train_step(ids, tgt)
-        out[f"{s}|loss|loss"] = loss.detach().numpy().reshape(1)
-        for name, p in port.model.named_parameters():
-            out[f"{s}|grad|{name}"] = p.grad.numpy().copy()
-            out[f"{s}|param|{name}"] = p.detach().numpy().copy()
-        port.zero_grad()
-    return out
 
 
 def _paddle_records(spec: models.ModelSpec, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -102,7 +62,7 @@ def _dump_paddle(model: str, steps: int, weights: str, bug: str, warmup: int) ->
 
     def forward_hook(name: str) -> Any:
         def hook(layer: Any, args: Any, output: Any) -> None:
-            t = _first_tensor(output, paddle.Tensor)
+            t = first_tensor(output, paddle.Tensor)
             if t is None:
                 return
             put("forward", name, t.detach().astype("float32").numpy())
@@ -141,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     embed_std = models.unit_embed_std(args.model) if args.unit_residual else None
     if args.dump == "torch":
-        _save(f"{args.out}.npz", _dump_torch(args.model, args.steps, args.weights, embed_std, args.warmup))
+        _save(f"{args.out}.npz", dump_torch(args.model, args.steps, args.weights, embed_std, args.warmup))
         return 0
     if args.dump == "paddle":
         for bug in ["none", *args.bugs.split(",")]:

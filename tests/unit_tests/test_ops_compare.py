@@ -181,3 +181,19 @@ def test_an_operation_that_creates_its_error_says_how_far_its_inputs_are():
 
     finding = compare_traces(trace(1.0).decoded("base"), trace(1.001).decoded("cand"), TOL, "cand")
     assert finding.status == "found" and "while its inputs match exactly" in finding.message, finding.message
+
+
+def test_a_child_modules_call_is_not_the_culprit():
+    """A hooked child (q_proj) captured after its weights drifted differs with matching inputs; the inline
+    divide after it is the module's own code that creates the difference."""
+    x = np.linspace(-1.0, 1.0, 64).reshape(8, 8)
+
+    def trace(drift: float, scale: float) -> _Trace:
+        t = _Trace()
+        xi = t.external(x)
+        q = t.call("module", [xi], x * 0.5 * (1 + drift), line=10)
+        t.call("divide", [q], x * 0.5 * (1 + drift) / scale, line=12)
+        return t
+
+    finding = compare_traces(trace(0.0, 4.0).decoded("base"), trace(1e-3, 4.2).decoded("cand"), TOL, "cand")
+    assert finding.status == "found" and finding.candidate.op == "divide", finding.message

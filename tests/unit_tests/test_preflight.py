@@ -83,9 +83,30 @@ def test_module_and_run_wide_differences(over, category, affects):
     assert (finding.category, list(finding.affects)) == (category, affects)
 
 
-def test_seeds_are_context_not_warnings():
-    (finding,) = diff_setups(_baseline(), _candidate(seed=2), MAPPING, "paddle")
+def test_seeds_of_different_frameworks_are_not_compared():
+    # torch's and paddle's generators differ: their seeds say nothing about each other.
+    assert diff_setups(_baseline(), _candidate(seed=6194615058587119616), MAPPING, "paddle") == []
+
+
+def test_seeds_of_one_framework_are_context_written_as_integers():
+    base = pb.Setup(framework="torch", values=[setup_value("seed", "seed", 4905462089342365696)])
+    rerun = pb.Setup(framework="torch", values=[setup_value("seed", "seed", 6194615)])
+    (finding,) = diff_setups(base, rerun, NameMapping(), "rerun")
     assert (finding.category, finding.severity) == ("seed", "info")
+    assert (finding.baseline, finding.candidate) == ("4905462089342365696", "6194615")
+    assert finding.message == "seed differs: baseline 4905462089342365696, candidate 'rerun' 6194615"
+    same = pb.Setup(framework="torch", values=[setup_value("seed", "seed", 4905462089342365697)])
+    assert diff_setups(base, same, NameMapping(), "rerun")[0].candidate == "4905462089342365697"  # every digit
+
+
+def test_integer_values_are_written_as_integers():
+    base = pb.Setup(framework="torch", values=[setup_value("config", "config.vocab_size", 151936),
+                                               setup_value("config", "config.max_position_embeddings", 131072)])
+    cand = pb.Setup(framework="paddle", values=[setup_value("config", "config.vocab_size", 151937),
+                                                setup_value("config", "config.max_position_embeddings", 32768.0)])
+    findings = {f.key: (f.baseline, f.candidate) for f in diff_setups(base, cand, NameMapping(), "paddle")}
+    assert findings == {"config.vocab_size": ("151936", "151937"),
+                        "config.max_position_embeddings": ("131072", "32768")}
 
 
 def test_affected_names_are_bounded_and_counted():

@@ -78,3 +78,31 @@ def test_readme_command_lines_parse():
     assert len(lines) >= 3, lines
     for line in lines:
         parse_command_line(line)
+
+
+def _requirements(extras: dict[str, list[str]], names: list[str]) -> set[str]:
+    """The distributions the extras ``names`` bring, through extras naming twinstep's own."""
+    found: set[str] = set()
+    for name in names:
+        for spec in extras[name]:
+            inner = re.fullmatch(r"twinstep\[([\w,]+)\]", spec)
+            if inner:
+                found |= _requirements(extras, inner.group(1).split(","))
+            else:
+                found.add(re.match(r"[A-Za-z0-9_.-]+", spec).group().lower())
+    return found
+
+
+def test_the_readme_install_brings_what_its_commands_need():
+    """The README's install line brings cryptography (`twinstep serve --self-signed`), and the mindspore
+    extra a numpy MindSpore 2.x runs with (its wheels are built against numpy 1.x)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = re.search(r'```bash\npip install -e "\.\[([\w,]+)\]"\n```', README).group(1).split(",")
+    assert "cryptography" in _requirements(extras, install), install
+    assert any(re.fullmatch(r"numpy(>=[\d.]+,)?<2", spec.replace(" ", "")) for spec in extras["mindspore"]), \
+        extras["mindspore"]

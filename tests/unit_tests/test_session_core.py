@@ -253,16 +253,15 @@ def test_a_bundle_halt_is_asked_once_and_comes_back_as_a_halt():
     assert [t.run for t in of(core.halt(bundle.reason, at_step=5), HaltRuns)[0].targets] == ["torch", "paddle"]
 
 
-def test_a_baseline_that_ends_before_any_candidate_says_a_late_one_is_still_compared():
+def test_a_baseline_that_ends_before_any_candidate_waits_for_one_and_says_so_without_a_verdict():
     core = SessionCore("s", ServerConfig(), START)
     base = Run(core, "torch", baseline=True)
     base.steps(range(3))
     ended = base.finish(2, now=at(4))
-    [verdict] = alerts(ended)
-    assert verdict.startswith("every run has ended: INCOMPLETE: no candidate run joined")
-    assert verdict.endswith("; a candidate that joins within session_ttl (3600 s) is still compared with the last "
-                            "256 step(s) the server holds of each run, and the verdict is told again when it ends")
-    assert of(ended, Alert)[0].level == "warning" and core.ended_at == at(4).wall
+    assert alerts(ended) == ["waiting for a candidate to join (the 3 steps of baseline 'torch' are kept for it); the "
+                             "verdict is told once one has run, and is final if no candidate joins within sessions.ttl "
+                             "(3600 s)"]
+    assert of(ended, Alert)[0].level == "info" and core.ended_at == at(4).wall
     late = Run(core, "paddle", now=at(5))
     assert core.ended_at == 0.0
     late.steps(range(3))

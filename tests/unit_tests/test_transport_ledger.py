@@ -92,3 +92,18 @@ def test_both_senders_count_a_full_queue_the_same_way(kind, caplog):
     finally:
         sender.close("finished", 7, timeout=1)
         tiny.stop()
+
+
+def test_steps_not_sent_are_counted_in_words_with_their_reasons():
+    from twinstep.runtime.transport.ledger import not_sent_in_words
+
+    assert not_sent_in_words({}, reached=True) == ""
+    assert not_sent_in_words({"shutdown": 30}, reached=False) == (
+        "30 steps not sent: the training ended before the server was reached")
+    assert not_sent_in_words({"shutdown": 1}, reached=True) == (
+        "1 step not sent: the training ended before it was delivered")
+    # The largest reason first; a reason this version does not know is named as it is.
+    assert not_sent_in_words({"shutdown": 3, "queue_full": 990, "oversized": 1, "new_reason": 2}, reached=True) == (
+        "996 steps not sent: 990 because the queue was full while the server was behind or away "
+        "(max_queue_steps, max_queue_bytes), 3 because the training ended before they were delivered, "
+        "2 because new_reason, 1 because it was larger than a message may be")

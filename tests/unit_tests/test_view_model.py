@@ -99,7 +99,16 @@ def test_the_view_holds_runs_divergence_heatmap_and_curves():
     assert view["history_kept"] and not model.build_view(report, None, None)["history_kept"]
     assert view["report"]["schema_version"] and view["report"]["first_divergence"]["module"] == "layers.1"
     runs = {p["run"]: p for p in view["progress"]}
-    assert runs["paddle"]["lag_steps"] == 2 and runs["torch"]["lag_steps"] is None
+    # Steps behind the furthest run: 0 for it, never negative, on the row of the run that lags.
+    assert runs["paddle"]["steps_behind"] == 2 and runs["torch"]["steps_behind"] == 0
+    ahead = pb.Report()
+    ahead.CopyFrom(report)
+    ahead.runs[1].last_step = 17  # the candidate ahead of its baseline
+    behind = {p["run"]: p["steps_behind"] for p in model.build_view(ahead, history, live)["progress"]}
+    assert behind == {"torch": 8, "paddle": 0}
+    ahead.runs[1].last_step = -1  # no step yet: not behind by a number
+    behind = {p["run"]: p["steps_behind"] for p in model.build_view(ahead, history, live)["progress"]}
+    assert behind == {"torch": 0, "paddle": None}
     assert runs["paddle"]["steps_per_second"] == 1.5 and not runs["paddle"]["capture_ok"]
     assert "2 whole step(s)" in runs["paddle"]["capture_summary"]
     assert [r["depth"] for r in view["divergence"]["tree"]] == [0, 1]
@@ -117,6 +126,25 @@ def test_the_view_holds_runs_divergence_heatmap_and_curves():
     assert curve["noise"]["multiple"] == 3.0
     np.testing.assert_allclose([v for v in curve["noise"]["loss"]], 1e-4, rtol=1e-3)
     assert curve["loss_diff"] == [0.0] * len(curve["loss"])
+
+
+def test_a_halt_says_which_runs_it_stopped_or_that_it_reached_none():
+    history, report = _history_and_report()
+    live = model.LiveFacts(halt_enabled=True)
+    view = model.build_view(report, history, live)
+    assert (view["status_label"], view["halt"]["outcome"]) == ("diverged", None)
+    report.halted = True
+    for states, label, outcome in [
+        (("halted", "halted"), "diverged · halted", "Halted: torch, paddle."),
+        (("halted", "finished"), "diverged · halted", "Halted: torch."),
+        (("streaming", "halted"), "diverged · halting", "Halt sent; waiting for torch to stop."),
+        (("finished", "lost"), "diverged · halt reached no run",
+         "The halt reached no run: every run had ended before it."),
+    ]:
+        for run, state in zip(report.runs, states):
+            run.state = state
+        view = model.build_view(report, history, live)
+        assert (view["status_label"], view["halt"]["outcome"]) == (label, outcome), states
 
 
 def test_a_live_view_merges_old_columns_past_its_width_and_a_kept_one_keeps_them_all():

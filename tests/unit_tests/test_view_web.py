@@ -127,7 +127,7 @@ def test_an_open_server_s_page_cannot_halt_and_says_how_to_allow_it():
         assert status == 403 and "--operator-token" in json.loads(body)["error"]
         assert not handle.registry.get("open").halted
         view = json.loads(request(handle.http_url + "api/sessions/open/view")[2])
-        assert view["halt"] == {"enabled": False, "message": info["halt_message"]}
+        assert view["halt"] == {"enabled": False, "message": info["halt_message"], "outcome": None}
     finally:
         started = time.monotonic()
         handle.stop(grace=0.5)

@@ -35,7 +35,7 @@ def test_a_window_applies_at_its_steps_on_its_cadence_and_then_stops():
 def test_a_window_told_twice_is_applied_once_and_one_over_is_ignored(caplog):
     step = {"now": 0}
     control = CaptureControl("r", 0, lambda: step["now"])
-    with caplog.at_level(logging.WARNING, logger="twinstep"):
+    with caplog.at_level(logging.INFO, logger="twinstep"):
         control.add(spec(id=1))
         control.add(spec(id=1))  # again after a reconnect
         step["now"] = 20
@@ -50,6 +50,33 @@ def test_a_late_window_applies_from_the_next_step_and_says_so(caplog):
         control.add(spec(first=5, last=8))
     assert "arrived at step 6: applied from step 7 on this rank" in caplog.text
     assert control.plan(7).tensors("fc1")
+
+
+def test_a_window_is_told_in_words_as_an_informational_line(caplog):
+    """What the training's log says of each window: what is captured, at which steps, and who asked."""
+    control = CaptureControl("r", 0, lambda: 10)
+    after = 'asked by the server after the divergence at step 3'
+    windows = [
+        (pb.ZoomSpec(id=1, modules=[""], capture="tensors", first_step=12, last_step=12, divergent_step=3),
+         f"full tensors of the whole model at step 12, {after}"),
+        (pb.ZoomSpec(id=2, capture="tensors", first_step=12, last_step=12, ops_module="layers.1.mlp.act",
+                     divergent_step=3),
+         f"the operations of 'layers.1.mlp.act' in its first call at step 12, {after}"),
+        (pb.ZoomSpec(id=3, modules=["layers.1.mlp.act"], capture="tensors", first_step=12, last_step=12,
+                     bundle_module="layers.1.mlp.act", divergent_step=3),
+         f"full tensors of layers.1.mlp.act and a reproducer bundle of 'layers.1.mlp.act' at step 12, {after}"),
+        (pb.ZoomSpec(id=4, modules=["layers.*.attn", "embed"], capture="stats", sketch=True, every=2, first_step=12,
+                     last_step=20, divergent_step=-1, reason="asked by an operator"),
+         "sketches of layers.*.attn, embed at every 2nd step of steps 12-20, asked by an operator"),
+        (pb.ZoomSpec(id=5, modules=["fc1"], capture="lossy", first_step=12, last_step=13, divergent_step=-1,
+                     reason="checking fc1"),
+         "full tensors of fc1 at steps 12-13, asked by an operator: checking fc1"),
+    ]
+    with caplog.at_level(logging.INFO, logger="twinstep"):
+        for window, _ in windows:
+            control.add(window)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"twinstep: run 'r' rank 0: zoom #{window.id} from the server: {words}") for window, words in windows]
 
 
 def test_patterns_select_modules_and_sketches_apart():

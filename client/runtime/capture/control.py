@@ -66,6 +66,35 @@ class StepZoom:
         return self._lookup(module)[1]
 
 
+def zoom_words(spec: pb.ZoomSpec) -> str:
+    """What a window asks of this run, at which steps, and who asked, in words for the training's log:
+    "full tensors of the whole model at step 12, asked by the server after the divergence at step 3"."""
+    modules = ", ".join(m or "the whole model" for m in spec.modules[:8]) + \
+        (f" and {len(spec.modules) - 8} more" if len(spec.modules) > 8 else "")
+    what = []
+    if spec.modules:
+        kind = "full tensors" if spec.capture in ("tensors", "lossy") else "sketches" if spec.sketch else "statistics"
+        what.append(f"{kind} of {modules}" + (" with sketches" if spec.sketch and kind == "full tensors" else ""))
+    if spec.bundle_module:
+        what.append(f"a reproducer bundle of {spec.bundle_module!r}")
+    if spec.ops_module:
+        what.append(f"the operations of {spec.ops_module!r}" + ("" if spec.modules else " in its first call"))
+    steps = (f"step {spec.first_step}" if spec.first_step == spec.last_step
+             else f"steps {spec.first_step}-{spec.last_step}")
+    if spec.every > 1:
+        steps = f"every {_ordinal(spec.every)} step of {steps}"
+    if spec.divergent_step >= 0:
+        who = f"asked by the server after the divergence at step {spec.divergent_step}"
+    else:
+        who = "asked by an operator" + (f": {spec.reason}" if spec.reason and spec.reason != "asked by an operator"
+                                        else "")
+    return f"{' and '.join(what) or 'nothing more'} at {steps}, {who}"
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 class CaptureControl:
     """The zoom windows of one rank: added on the sender thread, read on the training thread."""
 
@@ -96,11 +125,11 @@ class CaptureControl:
             if spec.ops_module:
                 self._ops[spec.id] = spec
         late = spec.first_step <= now
-        logger.warning(
-            "twinstep: run %r rank %d: zoom #%d from the server: %s in %s, steps %d-%d%s%s", self.run, self.rank,
-            spec.id, ", ".join(spec.modules) or "(model)", spec.capture, spec.first_step, spec.last_step,
-            f", a reproducer bundle of {spec.bundle_module!r}" if spec.bundle_module else "",
-            f" (arrived at step {now}: applied from step {now + 1} on this rank)" if late else "")
+        # Information, unless it came late: then this rank captures less than asked.
+        level = logging.WARNING if late else logging.INFO
+        logger.log(level, "twinstep: run %r rank %d: zoom #%d from the server: %s%s", self.run, self.rank, spec.id,
+                   zoom_words(spec),
+                   f" (arrived at step {now}: applied from step {now + 1} on this rank)" if late else "")
 
     def _applying(self, step: int) -> list[pb.ZoomSpec]:
         with self._lock:

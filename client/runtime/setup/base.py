@@ -24,10 +24,14 @@ MAX_WARNINGS = 32
 
 
 def setup_value(category: str, key: str, value: Any, derived: bool = False) -> pb.SetupValue | None:
-    """One value as read: a bool is a flag, a finite number a number, anything else its text (None: '(none)')."""
+    """One value as read: a bool is a flag, a finite number a number, anything else its text (None: '(none)').
+
+    An integer a double cannot hold exactly (a 64-bit seed) is its digits, so it is shown and compared whole."""
     out = pb.SetupValue(category=category, key=key[:MAX_TEXT], derived=derived)
     if isinstance(value, bool):
         out.flag = value
+    elif isinstance(value, int) and abs(value) > 2**53:
+        out.text = str(value)
     elif isinstance(value, (int, float)) and math.isfinite(float(value)):
         out.number = float(value)
     elif value is None:

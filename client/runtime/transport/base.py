@@ -49,6 +49,11 @@ class ClientStats:
     """Bytes those tensors took on the wire, after compression or quantisation."""
     reconnects: int = 0
     connected: bool = False
+    reached: bool = False
+    """The server has welcomed this sender at least once (``connected`` is whether it is now)."""
+    failed_before_reached: bool = False
+    """A connection attempt failed before the server ever welcomed this sender: with ``reached`` False,
+    the server has not been reached so far, and ``close`` does not wait to flush into it."""
     rejected: str = ""
 
     @property

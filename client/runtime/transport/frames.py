@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 #: Raised with any change to a frame's fields.
-VERSION = 1
+VERSION = 2
 
 _HEADER = struct.Struct("<I")
 
@@ -189,6 +189,10 @@ class SenderState:
     pending: int
     received: int
     """Batch frames the sender process has taken in."""
+    reached: bool = False
+    """The server has welcomed the sender process's client at least once."""
+    failed_before_reached: bool = False
+    """A connection attempt failed before that."""
 
 
 @dataclass(frozen=True)

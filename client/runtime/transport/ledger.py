@@ -24,6 +24,45 @@ logger = logging.getLogger("twinstep")
 QUIET_REASONS = frozenset({"shutdown", "forked_child", "server_rejected", "sender_lost", "server_error"})
 
 
+#: Why steps were not sent, in words: (one step, several steps), after "because".
+_NOT_SENT_WORDS: dict[str, tuple[str, str]] = {
+    "queue_full": ("the queue was full while the server was behind or away (max_queue_steps, max_queue_bytes)",) * 2,
+    "shutdown": ("the training ended before it was delivered", "the training ended before they were delivered"),
+    "already_shutdown": ("it came after the monitor was closed", "they came after the monitor was closed"),
+    "oversized": ("it was larger than a message may be", "they were larger than a message may be"),
+    "server_rejected": ("the server refused this run",) * 2,
+    "server_error": ("the server failed while taking it", "the server failed while taking them"),
+    "sender_lost": ("the sender process ended",) * 2,
+    "forked_child": ("it was recorded in a forked process, which sends nothing",
+                     "they were recorded in a forked process, which sends nothing"),
+}
+
+
+def not_sent_in_words(counts: dict[str, int], *, reached: bool) -> str:
+    """Steps not sent, counted in words with their reasons, largest first ("" when none):
+    "30 steps not sent: the training ended before the server was reached".
+
+    ``reached``: the server answered this run at least once; if not, steps still queued at the end
+    were never sendable, and are said so.
+    """
+    counts = {reason: count for reason, count in counts.items() if count > 0}
+    if not counts:
+        return ""
+    total = sum(counts.values())
+
+    def why(reason: str, count: int) -> str:
+        if reason == "shutdown" and not reached:
+            return "the training ended before the server was reached"
+        return _NOT_SENT_WORDS.get(reason, (reason, reason))[count > 1]
+
+    head = f"{total} step{'s' if total > 1 else ''} not sent"
+    if len(counts) == 1:
+        (reason, count), = counts.items()
+        return f"{head}: {why(reason, count)}"
+    ordered = sorted(counts.items(), key=lambda item: -item[1])
+    return f"{head}: " + ", ".join(f"{count} because {why(reason, count)}" for reason, count in ordered)
+
+
 def at_fork_in_child(method: Callable[[], None]) -> None:
     """Call ``method`` (a bound method) in the child after a fork, without keeping its object alive.
 

@@ -123,9 +123,19 @@ class ClientSecurity:
                 "tls_client_key": self.tls_client_key, "insecure": self.insecure}
 
 
-def explain(details: str, tls: bool = False) -> str:
-    """A hint for a connection failure that looks like TLS (empty when it does not); ``tls``: this client uses it."""
+def explain(details: str, tls: bool | None = None, *, reached: bool = False) -> str:
+    """A hint for a connection failure that looks like TLS (empty when it does not).
+
+    ``tls``: this client uses it (None: not known); ``reached``: the server answered this client
+    before, so a closed connection is a lost server rather than a protocol mismatch.
+    """
     text = details.lower()
+    if tls is False and not reached and any(
+            sign in text for sign in ("socket closed", "connection reset", "wrong_version_number", "ssl_error")):
+        # A TLS server closes a plaintext connection at its first bytes; the client sees no TLS at all.
+        return (" -- the server closed the connection before answering: it may speak TLS while this client speaks "
+                "plaintext (a loopback address is reached in plaintext unless TLS files are given): set "
+                "TWINSTEP_TLS_CA (attach(tls_ca=...), --tls-ca) to the server's certificate or its CA")
     if tls and "socket closed" in text:
         return (" -- the server closed the TLS connection: it may want a client certificate "
                 "(TWINSTEP_TLS_CLIENT_CERT/KEY) that this client lacks or it does not accept, or speak plaintext")

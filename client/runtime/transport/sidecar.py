@@ -280,7 +280,8 @@ class SidecarClient(Sender):
         with self._cond:
             self._credit, self._welcomed, self._remote_pending = state.credit, state.welcomed, state.pending
             self._received = state.received
-            for name in ("steps_sent", "tensor_bytes", "tensor_wire_bytes", "reconnects", "connected", "rejected"):
+            for name in ("steps_sent", "tensor_bytes", "tensor_wire_bytes", "reconnects", "connected", "reached",
+                         "failed_before_reached", "rejected"):
                 setattr(self.stats, name, getattr(state, name))
             self._cond.notify_all()
         if state.welcomed or state.reconnects or state.rejected:

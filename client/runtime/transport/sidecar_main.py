@@ -192,7 +192,7 @@ class SenderProcess:
             dropped=stats.dropped, steps_sent=stats.steps_sent, tensor_bytes=stats.tensor_bytes,
             tensor_wire_bytes=stats.tensor_wire_bytes, reconnects=stats.reconnects, connected=stats.connected,
             rejected=stats.rejected, credit=client.credit, welcomed=client.welcomed, pending=client.pending_steps,
-            received=self._received,
+            received=self._received, reached=stats.reached, failed_before_reached=stats.failed_before_reached,
         )
 
     def _report_state(self) -> None:

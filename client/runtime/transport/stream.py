@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -43,6 +44,8 @@ _FATAL_CODES = frozenset(
 )
 # A server bug (INTERNAL) while it took a step: that step is dropped rather than resent forever.
 _SERVER_ERROR_CODES = frozenset({grpc.StatusCode.INTERNAL})
+#: At close, how long a run that never reached the server waits for its last connection attempt.
+_LAST_ATTEMPT_S = 1.0
 _STREAM_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Twinstep'].full_name}/Stream"
 
 
@@ -278,7 +281,15 @@ class StreamClient(Sender):
             self._cond.notify_all()
         self._wake.set()
         if worker is not None:
-            worker.join(timeout)
+            started = time.monotonic()
+            if self.stats.failed_before_reached and not self.stats.reached:
+                # Never reached, and tried: one last attempt, not the flush a connected run gets.  If that
+                # attempt reaches the server after all, the queue is flushed within ``timeout`` as usual.
+                worker.join(min(timeout, _LAST_ATTEMPT_S))
+                if worker.is_alive() and self.stats.reached:
+                    worker.join(max(0.0, timeout - (time.monotonic() - started)))
+            else:
+                worker.join(timeout)
         self._stopped.set()
         with self._cond:
             call = self._call
@@ -335,15 +346,20 @@ class StreamClient(Sender):
                 if self._finished.is_set() or (self._closing and self._stopped.is_set()):
                     return
                 # A server failure on a step is warned with the step's name; then reconnect as for a lost server.
+                reached = self.stats.reached
+                if not reached:
+                    self.stats.failed_before_reached = True
                 if not (code in _SERVER_ERROR_CODES and self._suspect(f"{code.name}: {details}")):
                     self._warn_once(
                         "unreachable",
-                        "twinstep: lost contact with the comparison server at %s (%s: %s); training continues, "
-                        "up to %d steps are kept and older ones dropped; reconnecting in the background",
+                        "twinstep: %s the comparison server at %s (%s: %s); training continues, up to %d steps "
+                        "are kept and older ones dropped; %s in the background",
+                        "lost contact with" if reached else "cannot reach",
                         self._config.target,
                         code.name,
-                        details + explain(details, security.uses_tls(self._config.target)),
+                        details + explain(details, security.uses_tls(self._config.target), reached=reached),
                         self._config.max_queue_steps,
+                        "reconnecting" if reached else "trying again",
                     )
             except Exception:  # a bug here must not take the training down
                 logger.exception("twinstep: sender failed; reconnecting")
@@ -361,6 +377,8 @@ class StreamClient(Sender):
                     self.stats.connected = False
                     self._cond.notify_all()
             if self._closing:
+                if not self.stats.reached:
+                    return  # never reached: nothing to flush into; close() ends at once
                 if not self._steps and final_attempt:
                     return  # nothing left to deliver but the goodbye: one more try was enough
                 final_attempt = True
@@ -376,8 +394,9 @@ class StreamClient(Sender):
         kind = response.WhichOneof("body")
         if kind == "welcome":
             with self._cond:
+                first_contact = not self.stats.reached
                 self._welcomed = True
-                self.stats.connected = True
+                self.stats.connected = self.stats.reached = True
                 last = response.welcome.last_step_received
                 self._lossy = dict(response.welcome.lossy)
                 self._max_step_tensor_bytes = response.welcome.max_step_tensor_bytes
@@ -385,7 +404,8 @@ class StreamClient(Sender):
                 self._drop_server_error()
                 self._cond.notify_all()
             if self._warn_once.forget("unreachable"):
-                logger.warning("twinstep: reconnected to %s", self._config.target)
+                logger.warning("twinstep: %s to %s", "connected" if first_contact else "reconnected",
+                               self._config.target)
             return True
         if kind == "credit":
             with self._cond:

@@ -111,6 +111,8 @@ class WeightPublisher:
                 logger.info("twinstep: shared %d initial parameters (%.1f MiB) with the server in %.2f s (%.0f MiB/s)",
                             reply.parameters, reply.bytes / 2**20, seconds, reply.bytes / 2**20 / max(seconds, 1e-9))
                 return
+            except grpc.FutureCancelledError:  # close() cancelled the upload
+                return
             except grpc.RpcError as error:
                 code = status_code(error)
                 if code == grpc.StatusCode.CANCELLED and self._stop.is_set():

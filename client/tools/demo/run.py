@@ -25,6 +25,12 @@ _SESSION = "demo"
 _JOB_TIMEOUT = 600.0
 #: A line of progress every this many compared steps: the jobs print their own steps.
 _PROGRESS_EVERY = 5
+#: The demo's last lines: where to go from here, with one's own model.
+NEXT_STEPS = (
+    'next: your own model and its port: docs/getting-started.md ("Your own two trainings")',
+    "  without editing a script: twinstep serve, then twinstep run --server 127.0.0.1:50051 --session S "
+    "--run torch --baseline -- python train.py",
+)
 
 
 class DemoEvents:
@@ -95,6 +101,23 @@ def parse_candidates(text: str, bug: str | None) -> tuple[list[str], dict[str, s
     return names, {name: bug for name in names}  # every candidate carries the bug
 
 
+def mindspore_refusal(mindspore_version: str | None, numpy_version: str | None) -> str | None:
+    """Why a MindSpore candidate cannot run here, with the fix, or None (versions as installed; None: absent).
+
+    MindSpore 2.x wheels are built against numpy 1.x: under numpy 2 the job would start, warn, fail in
+    MindSpore's own operators and leave the demo INCOMPLETE (twinstep.runtime.environment).
+    """
+    from twinstep.runtime.environment import parse_version
+
+    if mindspore_version is None:
+        return ("MindSpore is not installed: pip install 'twinstep[mindspore]' (it brings the numpy<2 "
+                "MindSpore 2.x needs)")
+    if parse_version(mindspore_version)[:1] == (2,) and numpy_version and parse_version(numpy_version) >= (2,):
+        return (f"MindSpore 2.x needs numpy<2: pip install 'numpy<2' (installed here: mindspore {mindspore_version} "
+                f"with numpy {numpy_version}, under which MindSpore's own operators fail)")
+    return None
+
+
 def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port: int | None = None,
              candidates: str = "paddle") -> int:
     """``http_port``: also serve the dashboard there (0: a free port); on a terminal it stays up after the
@@ -105,6 +128,13 @@ def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port
     except ValueError as error:
         print(f"twinstep demo: {error}", file=sys.stderr)
         return 2
+    if "mindspore" in ports:  # refused before any server or job starts, with the fix
+        from twinstep.runtime.environment import installed_version
+
+        refusal = mindspore_refusal(installed_version("mindspore"), installed_version("numpy"))
+        if refusal is not None:
+            print(f"twinstep demo: {refusal}", file=sys.stderr)
+            return 2
     retain_freed_memory()  # the demo's process is the server's own; its jobs are separate processes
     # The server's log repeats the events shown below; keep only its errors on the terminal.
     logging.getLogger("twinstep.server").setLevel(logging.ERROR)
@@ -171,4 +201,6 @@ def run_demo(bug: str | None, steps: int = 20, capture: str = "stats", http_port
         print(f"twinstep demo: expected the session to be {expected}"
               f"{' with both jobs halted' if bug else ''}, got {report.status}", file=sys.stderr)
         return 1
+    print()
+    print("\n".join(NEXT_STEPS), flush=True)
     return 0

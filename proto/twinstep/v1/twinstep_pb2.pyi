@@ -1090,16 +1090,28 @@ class OperationFinding(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., zoom_id: _Optional[int] = ..., status: _Optional[str] = ..., baseline: _Optional[_Union[OperationSite, _Mapping]] = ..., candidate: _Optional[_Union[OperationSite, _Mapping]] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., input_value: _Optional[float] = ..., ops_baseline: _Optional[int] = ..., ops_candidate: _Optional[int] = ..., ops_matched: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ZoomWindow(_message.Message):
-    __slots__ = ("spec", "origin", "runs", "state")
+    __slots__ = ("spec", "origin", "runs", "state", "captured")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_FIELD_NUMBER: _ClassVar[int]
     spec: ZoomSpec
     origin: str
     runs: _containers.RepeatedScalarFieldContainer[str]
     state: str
-    def __init__(self, spec: _Optional[_Union[ZoomSpec, _Mapping]] = ..., origin: _Optional[str] = ..., runs: _Optional[_Iterable[str]] = ..., state: _Optional[str] = ...) -> None: ...
+    captured: _containers.RepeatedCompositeFieldContainer[ZoomCapture]
+    def __init__(self, spec: _Optional[_Union[ZoomSpec, _Mapping]] = ..., origin: _Optional[str] = ..., runs: _Optional[_Iterable[str]] = ..., state: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[ZoomCapture, _Mapping]]] = ...) -> None: ...
+
+class ZoomCapture(_message.Message):
+    __slots__ = ("run", "first_step", "last_step")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    first_step: int
+    last_step: int
+    def __init__(self, run: _Optional[str] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class TensorSteps(_message.Message):
     __slots__ = ("candidate_run", "rank", "first_step", "last_step", "modules", "modules_unlisted", "max_rel_l2", "max_cosine")

@@ -161,14 +161,14 @@
     var subtitle = document.getElementById("subtitle");
     subtitle.textContent = "";
     subtitle.appendChild(el("span", {id: "session-name", text: view.session}));
-    subtitle.appendChild(el("span", {id: "status", className: "badge " + report.status, text: report.status + (report.halted ? " · halted" : "")}));
+    subtitle.appendChild(el("span", {id: "status", className: "badge " + report.status, text: view.status_label}));
     subtitle.appendChild(el("span", {className: "muted", text: report.steps_compared + " step(s) compared"}));
     var when = new Date(view.generated_unix * 1000);
     document.getElementById("freshness").textContent = view.live ? "live · " + when.toLocaleTimeString() : "kept report · " + when.toLocaleString();
 
     if (!document.getElementById("runs-slot")) {
       app.textContent = "";
-      ["runs-slot", "halt-slot", "reasons-slot", "preflight-slot", "divergence-slot", "heatmap-slot", "curves-slot", "errors-slot"].forEach(function (id) {
+      ["runs-slot", "halt-slot", "reasons-slot", "preflight-slot", "divergence-slot", "heatmap-slot", "curves-slot", "long-run-slot", "errors-slot"].forEach(function (id) {
         app.appendChild(el("div", {id: id, className: id === "runs-slot" || id === "halt-slot" ? "slot half" : "slot"}));
       });
       if (view.live) document.getElementById("halt-slot").appendChild(haltPanel());
@@ -177,13 +177,14 @@
     fill("runs-slot", runsPanel(view));
     if (view.live) updateHalt(view);
     fill("reasons-slot", report.status_reasons && report.status_reasons.length ? el("section", {className: "panel", id: "reasons"}, [
-      el("h2", {text: report.status === "incomplete" ? "Not compared" : "Coverage"}),
+      el("h2", {text: report.status === "incomplete" ? "Not compared" : report.status === "waiting" ? "Waiting" : "Coverage"}),
       el("ul", {}, report.status_reasons.map(function (r) { return el("li", {text: r}); })),
     ]) : null);
     fill("preflight-slot", preflightPanel(view));
     fill("divergence-slot", divergencePanel(view));
     fill("heatmap-slot", heatmapPanel(view));
     updateCurves(view);
+    fill("long-run-slot", longRunPanel(view));
     fill("errors-slot", report.errors && report.errors.length ? el("section", {className: "panel", id: "errors"}, [
       el("h2", {text: "Errors"}), el("ul", {}, report.errors.map(function (e) { return el("li", {text: e}); })),
     ]) : null);
@@ -204,9 +205,9 @@
         el("td", {text: p.framework}),
         el("td", {}, [el("span", {className: "badge " + p.state, text: p.state})]),
         el("td", {className: "num", text: String(p.ranks)}),
-        el("td", {className: "num step", text: p.last_step < 0 ? "–" : String(p.last_step)}),
+        el("td", {className: "num step", text: p.last_step < 0 ? "no step yet" : String(p.last_step)}),
         el("td", {className: "num", text: p.steps_per_second === null ? "–" : fmt(p.steps_per_second, 3)}),
-        el("td", {className: "num", text: p.lag_steps === null ? "–" : String(p.lag_steps)}),
+        el("td", {className: "num behind", text: p.steps_behind === null ? "–" : String(p.steps_behind)}),
         el("td", {className: "num", text: dropped}),
         el("td", {className: p.capture_ok ? "ok" : "bad", text: p.capture_summary}),
       ]);
@@ -214,7 +215,7 @@
     return el("section", {className: "panel grow", id: "runs"}, [
       el("h2", {text: "Runs"}),
       el("table", {className: "grid"}, [
-        el("thead", {}, [el("tr", {}, ["run", "role", "framework", "state", "ranks", "step", "steps/s", "lag (steps)", "dropped", "capture"].map(function (h) { return el("th", {text: h}); }))]),
+        el("thead", {}, [el("tr", {}, ["run", "role", "framework", "state", "ranks", "step", "steps/s", "steps behind", "dropped", "capture"].map(function (h) { return el("th", {text: h}); }))]),
         el("tbody", {}, rows),
       ]),
     ]);
@@ -236,7 +237,7 @@
         body: JSON.stringify({reason: reason.value || "halted from the dashboard"}),
       }).then(function (response) {
         if (response.ok) return response.json().then(function (data) {
-          state.haltMessage = "Halt sent to: " + (data.runs.join(", ") || "no connected run");
+          state.haltMessage = data.runs.length ? "Halt sent to: " + data.runs.join(", ") + "." : "The halt reached no run: none was connected.";
           message.textContent = state.haltMessage;
           state.etag = null;
         });
@@ -264,8 +265,8 @@
     button.disabled = !enabled;
     reason.disabled = !view.halt.enabled;
     if (!view.halt.enabled) message.textContent = view.halt.message;
+    else if (view.halt.outcome && !state.halting) message.textContent = view.halt.outcome;  // what the halt did, once known
     else if (state.haltMessage) message.textContent = state.haltMessage;
-    else if (view.report.halted) message.textContent = "The session is halted.";
   }
 
   // The training set-ups' differences, diffed at attach before step 0 (report.preflight): warnings (they can
@@ -363,6 +364,70 @@
       details.addEventListener("toggle", function () { state[treeKey] = details.open; });
       panel.appendChild(details);
     }
+  }
+
+  // -- long run and headroom ---------------------------------------------------------------------
+
+  // A candidate's first divergence in the report's JSON (null: none), its own section's when it has one.
+  function divergenceOf(report, run) {
+    var own = (report.candidates || []).filter(function (c) { return c.candidate_run === run; })[0];
+    if (own) return own.first_divergence;
+    var first = report.first_divergence;
+    return first && first.candidate_run === run ? first : null;
+  }
+
+  // The long-run criteria per candidate (the live view leaves them out: their cost grows with the steps) and,
+  // per candidate and phase, the metric that came closest to its tolerance: as `twinstep report` prints them.
+  function longRunPanel(view) {
+    var report = view.report;
+    var summaries = report.long_run || [];
+    var headroom = report.headroom || [];
+    if (!summaries.length && !headroom.length) return null;
+    var several = (view.candidates || []).length > 1;
+    var panel = el("section", {className: "panel", id: "long-run"}, [el("h2", {text: "Long run and headroom"})]);
+    summaries.forEach(function (s) {
+      var part = el("div", {className: "long-run-criteria", "data-run": s.candidate_run}, [
+        el("h3", {text: "candidate " + s.candidate_run + ": " + s.steps + " steps compared, criteria over the last " + s.window})]);
+      if (s.coverage) part.appendChild(el("p", {className: "muted", text: s.coverage}));
+      part.appendChild(el("ul", {}, s.verdicts.map(function (v) {
+        return el("li", {className: v.indexOf("PASS ") === 0 ? "ok" : v.indexOf("FAIL ") === 0 ? "bad" : null, text: v});
+      })));
+      var d = divergenceOf(report, s.candidate_run);
+      if (d) part.appendChild(el("p", {className: "scope", text: "these criteria judge only the loss and the global gradient norm: the divergence above (step " + d.step + ", " + d.phase + " of '" + (d.module || "(model)") + "') stands"}));
+      panel.appendChild(part);
+    });
+    if (headroom.length) {
+      var closest = {};
+      headroom.forEach(function (h) {
+        var ratio = typeof h.tolerance === "number" && h.tolerance > 0 && typeof h.value === "number" ? h.value / h.tolerance : Infinity;
+        var key = h.candidate_run + "|" + h.phase;
+        if (!(key in closest) || ratio > closest[key].ratio) closest[key] = {ratio: ratio, h: h};
+      });
+      var runs = [];
+      headroom.forEach(function (h) { if (runs.indexOf(h.candidate_run) < 0) runs.push(h.candidate_run); });
+      var rows = [];
+      runs.forEach(function (run) {
+        PHASE_ORDER.forEach(function (phase) {
+          var c = closest[run + "|" + phase];
+          if (!c) return;
+          rows.push(el("tr", {"data-run": run, "data-phase": phase}, [
+            several ? el("td", {text: run}) : null,
+            el("td", {text: phase}), el("td", {text: c.h.metric}),
+            el("td", {className: "num", text: fmt(c.h.value)}), el("td", {className: "num", text: fmt(c.h.tolerance)}),
+            el("td", {className: "num", text: isFinite(c.ratio) ? c.ratio.toFixed(3) : "no tolerance"}),
+            el("td", {}, [el("code", {text: c.h.module || "(model)"})]),
+            el("td", {className: "num", text: String(c.h.step)}), el("td", {text: c.h.dtype}),
+          ]));
+        });
+      });
+      var heads = [several ? "candidate" : null, "phase", "metric", "worst value", "tolerance", "share of it", "module", "step", "dtype"].filter(function (h) { return h !== null; });
+      panel.appendChild(el("h3", {text: "Headroom: the worst value against its tolerance per phase, over every step compared"}));
+      panel.appendChild(el("table", {className: "grid headroom"}, [
+        el("thead", {}, [el("tr", {}, heads.map(function (h) { return el("th", {text: h}); }))]),
+        el("tbody", {}, rows),
+      ]));
+    }
+    return panel;
   }
 
   // -- the heatmap -----------------------------------------------------------------------------

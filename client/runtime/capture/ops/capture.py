@@ -125,6 +125,7 @@ class OpsCapture:
         if not self._called and not self.builder.error:
             self.builder.error = f"the module was not called in step {self.step}"
         trace = self.builder.finish()
-        logger.warning("twinstep: captured %d operations of %r at step %d%s", len(trace.calls), trace.module,
-                       self.step, f" ({trace.error})" if trace.error else "")
+        # Information (a zoom asked for it), unless the capture is incomplete.
+        logger.log(logging.WARNING if trace.error else logging.INFO, "twinstep: captured %d operations of %r at step "
+                   "%d%s", len(trace.calls), trace.module, self.step, f" ({trace.error})" if trace.error else "")
         return trace.SerializeToString()
