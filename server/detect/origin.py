@@ -12,14 +12,15 @@ at that step for that kind of record, per statistics metric.
   evidence.CREATES times its input's, on the one scale of
   twinstep.server.detect.evidence): ``CLEAR_FORWARD`` times over the floor of
   its precision, width class and kind of module (module_kind) is an origin,
-  the first such record in the order the forward ran.
+  the first such record in the order the forward ran.  After step 0 a module
+  with parameters counts only when they stood within their floors after the
+  step before (its error may otherwise be its weights', moved apart earlier).
 - Parameters after an update (groups: 1-D parameters, matrices).  A parameter
   whose error stands ``CLEAR`` times over its floor, or ``GROWING`` times over
   it after growing at least linearly for ``GROWTH_STEPS`` steps, is a
   systematic difference; its origin is the first step of the run of steps,
   walked back, where it stood over the floor.  It replaces a forward origin
-  found at a later step (the decayed weight's norm creates an error the step
-  after the update).
+  found at a later step.
 
 Calibration: benchmarks/calibration/*.log, merged by benchmarks/merge_calibration.py
 (a unit test checks the tables below are that merge).  float32: the corpus'
@@ -354,8 +355,8 @@ class OriginTracer:
         """Fold one compared step in; the origin its evidence points to, or None.
 
         Once per run, except that a forward origin gives way to a parameter origin found later whose update came
-        before it: a norm weight decayed at step 0 makes its norm create an error at step 1, and the linear
-        growth that proves the decay takes a few more steps to show.
+        before it: parameters within their floors after the step before can still differ systematically, and the
+        linear growth that proves it takes a few steps to show.
         """
         run = comparison.candidate_run
         if not comparison.values or not len(comparison.rows):
@@ -394,6 +395,8 @@ class OriginTracer:
             name = static[k][1]
             if self._tolerances.set_by_user("forward", name):
                 continue
+            if comparison.step > 0 and not self._weights_matched(comparison, static, name):
+                continue
             ratio, metric, floor = best
             rows = list(comparison.rows)
             rows[k] = replace(rows[k], metric=metric, value=float(comparison.values[metric][k]), tolerance=floor,
@@ -404,6 +407,24 @@ class OriginTracer:
             return Origin(step, rows[k], comparison.step, ratio, "clear", [name], 1,
                           created=(output, given, kind, precision))
         return None
+
+    def _weights_matched(self, comparison: StepComparison, static: list[tuple], module: str) -> bool:
+        """Whether ``module``'s parameters (its own and its children's) stood within their floors after the step
+        before: after step 0 a module with parameters creates an error of its own only then.  Otherwise the
+        error may be its weights' (moved apart by an earlier difference), and a step not compared (a gap) or
+        parameters not traced (another dtype, a tolerance the user set) leave that open: no claim."""
+        prefix = module + "." if module else ""
+        owned = {row[1] for row in static if row[0] == "param" and row[1].startswith(prefix)}
+        if not owned:
+            return True  # parameter-free: its error is its computation's
+        history = self._history.get((comparison.candidate_run, comparison.rank))
+        before = history.steps.get(comparison.step - 1) if history is not None else None
+        if before is None:
+            return False
+        columns = [column for key, column in history.keys.items() if key[1] in owned]
+        if len(columns) < len(owned) or any(column >= len(before.ratio) for column in columns):
+            return False
+        return bool(np.all(before.ratio[columns] < ONSET))
 
     # -- parameters: an update's systematic difference ---------------------------------------------
 

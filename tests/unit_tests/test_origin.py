@@ -224,8 +224,9 @@ def test_watch_and_the_text_report_show_the_origin_and_its_crossing():
 
 
 def test_a_forward_origin_gives_way_to_the_parameter_update_behind_it():
-    """Decayed norm weights make the norm create an error at step 1; the decay's linear growth proves the update
-    of step 0 a few steps later, and that earlier origin replaces the forward one (keeping the crossing)."""
+    """A forward origin at step 1 (a module without parameters of its own here), then the linear growth of the
+    norm weights' decay proves the update of step 0 a few steps later: that earlier origin replaces the forward
+    one, keeping the crossing."""
     tracker = FirstDivergenceTracker()
     for step in range(8):
         forward = [("embed", 0.0, 0.0), ("norm", 0.0, 1e-5 * step)]
@@ -259,3 +260,28 @@ def test_the_floors_tables_are_the_committed_calibration_runs_merged():
                   if not p.name.startswith("heldout"))
     merged = {key: tuple(float(f"{v:.1e}") for v in values) for key, values in merge(logs).items()}
     assert merged == {**origin.PARAM_ENVELOPE, **origin.FORWARD_ENVELOPE}
+
+
+def _own_params(step: int, norm_error: float, forward_error: float) -> StepComparison:
+    """A step where the module "layers.0.norm" (whose weight is NORMS[0]) creates ``forward_error``."""
+    comparison = _step(step, [norm_error] + _faithful(step)[1:], forward=[("layers.0.norm", 0.0, forward_error)])
+    rows = [r if r.name != "layers.0.norm" else Row(**{**r.__dict__, "type": "RMSNorm"}) for r in comparison.rows]
+    return StepComparison(step, 0, "cand", rows, values=comparison.values)
+
+
+def test_a_module_whose_weights_already_differ_does_not_create_its_error():
+    """After step 0 a module's error is its own only if its parameters matched after the step before."""
+    error = 20 * forward_floor("float32", "norm", "rms", 1)
+    differed = OriginTracer()
+    differed.observe(_own_params(0, 0.5 * CLEAR * param_floor("1d", "rms", 0), 0.0))  # over the floor, not clear
+    assert differed.observe(_own_params(1, 0.5 * CLEAR * param_floor("1d", "rms", 1), error)) is None
+    matched = OriginTracer()
+    matched.observe(_own_params(0, 0.1 * param_floor("1d", "rms", 0), 0.0))
+    found = matched.observe(_own_params(1, 0.1 * param_floor("1d", "rms", 1), error))
+    assert found is not None and found.row.name == "layers.0.norm"
+
+
+def test_no_forward_origin_is_claimed_for_a_module_with_weights_after_a_gap():
+    """Steps 0 to 2 not compared: at step 3 the weights may have parted in the gap."""
+    error = 20 * forward_floor("float32", "norm", "rms", 3)
+    assert OriginTracer().observe(_own_params(3, 0.1 * param_floor("1d", "rms", 3), error)) is None
