@@ -100,7 +100,9 @@ class Job:
                  extra: list[str] | None = None, env: dict[str, str] | None = None,
                  module: str = "twinstep.tools.demo.job") -> None:
         self.run = run or framework
-        rank = (env or {}).get("RANK", "0")
+        # One result file per process: torch's ranks say RANK, paddle's PADDLE_TRAINER_ID (two ranks writing one
+        # file leave two JSON documents in it).
+        rank = (env or {}).get("RANK", (env or {}).get("PADDLE_TRAINER_ID", "0"))
         self.result_file = tmp / f"{session}-{self.run}-{rank}.json"
         cmd = [sys.executable, "-m", module, "--framework", framework, "--run", self.run,
                "--server", server, "--session", session, "--steps", str(steps), "--capture", capture,
