@@ -105,13 +105,10 @@ def _describe(row: Row, comparison: StepComparison, previous_params: tuple[float
                 "reduction (sum or mean, a divisor such as accumulation steps) and label handling")
     if row.phase == "backward":
         before = _matched(comparison, "backward")
-        factor = _common_factor(divergent)
-        if factor is not None and len(divergent) == len(in_phase) and len(in_phase) > 1:
-            return (
-                f"backward: {_lead(before)}every output gradient differs by the same "
-                f"factor x{factor:.4g} ({len(in_phase)} of {len(in_phase)}): the loss scaled on one side before "
-                "backward (a loss divided by accumulation steps or a world size, loss scaling not undone)"
-            )
+        same = _one_factor("output", divergent, in_phase)
+        if same:
+            return (f"backward: {_lead(before)}{same}: the loss scaled on one side before backward (a loss divided "
+                    "by accumulation steps or a world size, loss scaling not undone)")
         position = in_phase.index(row)
         if position == 0:
             where = (f"the output gradient of {name!r}, the first one backward produces: check what lies between "
@@ -123,13 +120,9 @@ def _describe(row: Row, comparison: StepComparison, previous_params: tuple[float
         return f"backward: {_lead(before)}the first gradient that differs is {where}"
     if row.phase == "grad":
         before = _matched(comparison, "grad")
-        factor = _common_factor(divergent)
-        if factor is not None and len(divergent) == len(in_phase) and len(in_phase) > 1:
-            return (
-                f"backward: {_lead(before)}every parameter gradient differs by the same "
-                f"factor x{factor:.4g} ({len(in_phase)} of {len(in_phase)}): gradient clipping or loss scaling on "
-                "one side"
-            )
+        same = _one_factor("parameter", divergent, in_phase)
+        if same:
+            return f"backward: {_lead(before)}{same}: gradient clipping or loss scaling on one side"
         return (
             f"backward: {_lead(before)}the gradient of parameter {name} differs: check "
             "how that parameter is used (weight tying, gradient hooks, a custom backward)"
@@ -258,6 +251,15 @@ def _input_row(row: Row, comparison: StepComparison) -> Row | None:
     """The captured input of a forward row's module call, if any."""
     return next((r for r in comparison.rows if r.phase == "input" and r.name == row.name
                  and r.call_index == row.call_index), None)
+
+
+def _one_factor(kind: str, divergent: list[Row], in_phase: list[Row]) -> str:
+    """"every <kind> gradient differs by the same factor xF (n of n)" when every record of the phase (two or
+    more) differs by one common factor; "" otherwise."""
+    factor = _common_factor(divergent)
+    if factor is None or len(divergent) != len(in_phase) or len(in_phase) < 2:
+        return ""
+    return f"every {kind} gradient differs by the same factor x{factor:.4g} ({len(in_phase)} of {len(in_phase)})"
 
 
 def _common_factor(rows: list[Row]) -> float | None:

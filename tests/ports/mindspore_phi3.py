@@ -138,7 +138,7 @@ class Phi3DecoderLayer(nn.Cell):
 
     def construct(self, hidden_states: mindspore.Tensor, mask: mindspore.Tensor, position_embeddings: tuple) -> mindspore.Tensor:
         # By keyword, as transformers calls it: both sides' attention inputs are recorded all the same
-        # (twinstep.runtime.capture.base.call_inputs).
+        # (twinstep.wire.inputs.call_inputs).
         attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                                  position_embeddings=position_embeddings, mask=mask)
         hidden_states = hidden_states + self.resid_attn_dropout(attn)

@@ -72,7 +72,7 @@ def test_faithful_port_stays_aligned_for_50_steps(ports_server, model):
     # Fused projections are compared with their parts, not left unmatched.
     assert not [n for n in report.unmatched_baseline if "_proj" in n], list(report.unmatched_baseline)
     # Modules called by keyword (transformers' self_attn(hidden_states=...), paddleformers' decoder layers,
-    # the models themselves) have their inputs captured (twinstep.runtime.capture.base.call_inputs) and
+    # the models themselves) have their inputs captured (twinstep.wire.inputs.call_inputs) and
     # compared: an input is left unmatched only with its module's output (a module one side alone has).
     unmatched = {*report.unmatched_baseline, *report.unmatched_candidate}
     unpaired = [n for n in unmatched if n.startswith("input:") and "forward:" + n[len("input:"):] not in unmatched]

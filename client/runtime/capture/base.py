@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from twinstep.runtime.capture.buffers import HostBufferPool
-from twinstep.wire.inputs import call_inputs, keyword_order  # noqa: F401  (call_inputs: the rule, for the backends)
+from twinstep.wire.inputs import call_inputs, keyword_order
 
 Tensor = Any
 Module = Any
