@@ -14,12 +14,16 @@ sketch estimates (exact norms from the statistics, as the server has them).
 
 Cost: median time per call of the sketch, of ``backend.device_stats`` and of a
 device copy, on float32 tensors of a few sizes, interleaved so machine noise
-hits all three alike.
+hits all three alike.  Shards: a 4096x1024 float32 shard keyed by its indices in
+the logical tensor, as a dim-0 shard (one contiguous range: the offset path), as
+a last-dim shard (element by element from the cached table, and hashed on the
+device), and transposed ([in, out] split on in); ``--shards-only`` runs just these.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -214,6 +218,41 @@ def report_cost(fw: dict, sizes_mb: list[float], reps: int) -> None:
             print(f"{framework:<9}{real_mb:>7.2f}{data.size:>11} | {cells} | {first:>12.1f}")
 
 
+def report_shard_cost(fw: dict, reps: int) -> None:
+    """A 4096x1024 float32 shard of a logical tensor, by the way it was cut."""
+    import paddle
+    import torch
+
+    torch.set_num_threads(1)
+    rows, cols = 4096, 1024
+    data = np.random.default_rng(0).normal(size=(rows, cols)).astype(np.float32)
+    print(f"\nshard cost per call, median ms; a [{rows}, {cols}] float32 shard on CPU, 1 thread, 256 buckets; "
+          "first = table build + upload; table = cached device bytes")
+    cases = {  # name: (block, transpose, hashed)
+        "whole tensor": (None, False, False),
+        "dim-0 shard of [8192, 1024]": (((2 * rows, cols), (rows, 0)), False, False),
+        "last-dim shard of [4096, 2048]": (((rows, 2 * cols), (0, cols)), False, False),
+        "  same, hashed on the device": (((rows, 2 * cols), (0, cols)), False, True),
+        "[in, out] split on in, of [8192, 1024]": (((2 * rows, cols), (rows, 0)), True, False),
+    }
+    print(f"{'framework':<9} {'cut':<40}{'ms':>9}{'x whole':>9}{'first ms':>10}{'table MiB':>11}")
+    for framework in ("torch", "paddle"):
+        sketcher_type = fw[framework][1]
+        x = torch.from_numpy(data) if framework == "torch" else paddle.to_tensor(data)
+        calls, first, table = {}, {}, {}
+        for name, (block, transpose, hashed) in cases.items():
+            sk = sketcher_type(sketch_def.SketchSpec(), **({"max_table_elements": 0} if hashed else {}))
+            start = time.perf_counter()
+            sk.sketch(x, transpose=transpose, block=block)
+            first[name] = 1000 * (time.perf_counter() - start)
+            table[name] = sum(entry.owned for entry in sk._plans.values()) / 2**20
+            calls[name] = functools.partial(sk.sketch, x, transpose=transpose, block=block)
+        ms = time_calls(calls, reps)  # interleaved: machine noise hits every cut alike
+        for name in cases:
+            print(f"{framework:<9} {name:<40}{ms[name]:>9.2f}{ms[name] / ms['whole tensor']:>9.1f}"
+                  f"{first[name]:>10.1f}{table[name]:>11.2f}")
+
+
 def plan_seconds(numel: int, spec: sketch_def.SketchSpec) -> float:
     start = time.perf_counter()
     sketch_def.plan(numel, spec)
@@ -230,9 +269,13 @@ def main() -> int:
     parser.add_argument("--buckets", default="64,128,256,512,1024")
     parser.add_argument("--sizes-mb", default="0.25,4,64")
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--shards-only", action="store_true", help="only the cost of sketching shards")
     args = parser.parse_args()
     bucket_counts = [int(b) for b in args.buckets.split(",")]
     fw = frameworks()
+    if args.shards_only:
+        report_shard_cost(fw, args.reps)
+        return 0
     from twinstep.tools.demo.job import LR, PaddleTrainer, TorchTrainer
 
     cfg = spec.ModelConfig(vocab=512, hidden=args.hidden, heads=4, layers=args.layers, seq=args.seq, batch=args.batch)
@@ -267,6 +310,7 @@ def main() -> int:
         print(f"  per {n:.0e}-element tensor size: torch {(4 * (p.order.size + p.bag_offsets.size) + 8 * p.direct.size) / 2**20:.2f} MiB,"
               f" paddle {4 * (p.bag_of_block.size + p.direct.size) / 2**20:.2f} MiB (plan build {plan_seconds(n, default):.2f} s)")
     report_cost(fw, [float(s) for s in args.sizes_mb.split(",")], args.reps)
+    report_shard_cost(fw, args.reps)
     return 0
 
 

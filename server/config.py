@@ -117,6 +117,10 @@ class ComparisonConfig(Group):
                                  "this fraction of the default tolerance (a deterministic rerun has a band of 0).", minimum=0, legacy="noise_floor")
     drift_window: int = setting(1000, help="Steps averaged by the long-run loss and gradient-norm criteria.",
                                 minimum=1, unit="steps", legacy="drift_window")
+    layouts: str = setting("auto", help="How runs of several ranks line up (docs/layouts.md): auto compares rank "
+                           "by rank when every run has the same parallel layout and merges each run's ranks per "
+                           "logical tensor when they differ (TP=2 against TP=1, DP=4 against DP=2); ranks or "
+                           "logical force one way.", choices=("auto", "ranks", "logical"), flag="--layouts")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -118,7 +118,7 @@ def verdict_lines(session: str, report: pb.Report | None) -> list[str]:
         line = f"[{session}] VERDICT candidate {c.candidate_run!r} ({c.framework}): {c.status.upper()}"
         if c.HasField("first_divergence"):
             d = c.first_divergence
-            line += f" at step {d.step} rank {d.rank}, {d.phase} of {d.module or '(model)'!r}"
+            line += f" at step {d.step} {_rank_words(d)}, {d.phase} of {d.module or '(model)'!r}"
         else:
             line += f" over {c.steps_compared} compared step(s)"
         if c.halted:
@@ -139,7 +139,9 @@ def format_event(event: pb.Event) -> str:
     kind = event.WhichOneof("body")
     if kind == "progress":
         runs = " | ".join(
-            f"{r.name}{'*' if r.baseline else ''} {step_words(r.last_step)}{',' if r.last_step < 0 else ''} {r.state}"
+            f"{r.name}{'*' if r.baseline else ''}"
+            + (f" ({r.layout_text})" if r.layout_text and r.layout_text != "1 rank" else "")
+            + f" {step_words(r.last_step)}{',' if r.last_step < 0 else ''} {r.state}"
             + (f" dropped {r.dropped}" if r.dropped else "")
             + (f" capture-failures {failures}" if (failures := capture_failures(r)) else "")
             for r in event.progress.runs
@@ -148,8 +150,9 @@ def format_event(event: pb.Event) -> str:
     if kind == "divergence":
         d = event.divergence
         return (
-            f"[{event.session}] DIVERGENCE run {d.candidate_run!r} step {d.step} rank {d.rank} {d.phase} "
+            f"[{event.session}] DIVERGENCE run {d.candidate_run!r} step {d.step} {_rank_words(d)} {d.phase} "
             f"{d.module or '(model)'!r}: {d.metric} {d.value:.3g} > {d.tolerance:.3g}"
+            + (f"\n[{event.session}]   merged per logical tensor: {d.merged_from}" if d.merged_from else "")
             + (f"\n[{event.session}]   stage: {d.stage}" if d.stage else "")
             + "".join(f"\n[{event.session}]   {line}" for line in origin_words(d))
             + (f"\n[{event.session}]   AFTER A GAP (earliest among compared steps; not compared: {d.gaps_summary})"
@@ -251,8 +254,8 @@ class LiveView:
         parts: list = [title]
 
         runs = Table(expand=False, box=None, pad_edge=False, header_style="bold")
-        for column in ("run", "role", "state", "step", "steps/s", STEPS_BEHIND, "dropped", "capture failures"):
-            runs.add_column(column, justify="left" if column in ("run", "role", "state") else "right")
+        for column in ("run", "role", "layout", "state", "step", "steps/s", STEPS_BEHIND, "dropped", "capture failures"):
+            runs.add_column(column, justify="left" if column in ("run", "role", "layout", "state") else "right")
         behind = steps_behind([r.last_step for r in self.progress.runs])
         for r, lag in zip(self.progress.runs, behind):
             role = "baseline" if r.baseline else "reference" if r.reference else "candidate"
@@ -260,7 +263,7 @@ class LiveView:
             state_style = {"streaming": "green", "finished": "", "halted": "red", "lost": "bold red"}.get(r.state, "")
             dropped = ", ".join(f"{n} {why}" for why, n in sorted(r.dropped_by_reason.items())) or str(r.dropped)
             failures = capture_failures(r)
-            runs.add_row(r.name, role, Text(r.state, style=state_style),
+            runs.add_row(r.name, role, r.layout_text or f"{r.ranks} rank(s)", Text(r.state, style=state_style),
                          str(r.last_step) if r.last_step >= 0 else step_words(r.last_step),
                          "-" if rate is None else f"{rate:.1f}", "-" if lag is None else str(lag),
                          Text(dropped, style="yellow" if r.dropped else ""),
@@ -287,10 +290,11 @@ class LiveView:
 
         for d in self.divergences:
             text = Text.assemble(
-                (f"run {d.candidate_run!r} step {d.step} rank {d.rank}: ", "bold"),
+                (f"run {d.candidate_run!r} step {d.step} {_rank_words(d)}: ", "bold"),
                 f"{d.phase} of {d.module or '(model)'!r}",
                 f" (candidate {d.candidate_module!r})" if d.candidate_module and d.candidate_module != d.module else "",
                 f"\n{d.metric} {d.value:.3g} > tolerance {d.tolerance:.3g}",
+                f"\nmerged per logical tensor: {d.merged_from}" if d.merged_from else "",
                 f"\nstage: {d.stage}" if d.stage else "",
                 "".join(f"\n{line}" for line in origin_words(d)),
                 (f"\nafter a gap: not compared {d.gaps_summary}", "yellow") if d.after_gap else "")
@@ -313,3 +317,8 @@ def _ratio_text(ratio: float):
     label = "inf" if math.isinf(ratio) else f"{ratio:.2g}"
     style = "bold red" if ratio > 1 else "yellow" if ratio > 0.5 else "green"
     return Text(label, style=style)
+
+
+def _rank_words(d) -> str:
+    """"rank 3", or "every rank merged" when the runs' layouts differ and their ranks were merged."""
+    return "every rank merged" if d.merged_from else f"rank {d.rank}"

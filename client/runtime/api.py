@@ -16,11 +16,11 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from twinstep.runtime import environment, logs, settings
 from twinstep._version import PROTOCOL_VERSION, __version__
-from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for
+from twinstep.runtime.capture import CaptureConfig, Recorder, backend_for, placement
 from twinstep.runtime.capture.recorder import CaptureCost
 from twinstep.runtime.capture.control import CaptureControl, module_lookup
 from twinstep.runtime.capture.health import describe_error
@@ -118,6 +118,17 @@ class Monitor:
         )
         if self.weight_sync is not None:
             hello.weight_sync.CopyFrom(self.weight_sync)
+        # This rank's place in a parallel layout (docs/layouts.md): declared in the settings, else found.
+        found = placement.find_layout(self._backend, model, rank=rank, world_size=identity.world_size,
+                                      settings=chosen.layout)
+        self.layout: pb.MeshPlace | None = found.to_proto() if found is not None else None
+        """This rank's place in its training's parallel layout, as sent in the Hello (None: whole, not sent)."""
+        if self.layout is not None:
+            hello.layout.CopyFrom(self.layout)
+            logger.info("twinstep: rank %d of a parallel layout %s", rank, found.text())
+        elif chosen.layout.tensor_parallel_split:
+            logger.warning("twinstep: tensor_parallel_split is ignored: no parallel layout was found or declared "
+                           "(declare tensor_parallel, and data_parallel or pipeline_parallel where used)")
         sender = chosen.transport.sender
         if sender == "auto":
             # Copies from an accelerator need pinned memory to stay asynchronous; shared memory is not pinned.
@@ -132,7 +143,8 @@ class Monitor:
             host_memory = None
         # Free host buffers are capped like the outbox: together they hold at most twice its bound.
         self._recorder = Recorder(model, self._backend, capture, host_pool_bytes=stream.max_queue_bytes,
-                                  host_memory=host_memory)
+                                  host_memory=host_memory, layout=found,
+                                  splits=placement.parse_splits(chosen.layout.tensor_parallel_split))
         self._client.add_manifest([], self._recorder.parameter_infos)
         # MindSpore hands gradients to the optimizer, not to the parameters: follow the optimizer's calls.
         self._optimizer_watch = self._backend.watch_optimizer(optimizer) if optimizer is not None else None
@@ -506,6 +518,15 @@ def attach(
     batch_timeout: float | None = None,
     # reproduce: what the server may ask this process to write (docs/zoom-and-reproduce.md)
     bundle_dir: str | None = None,
+    # layout: where this rank sits in its training's parallel layout (docs/layouts.md)
+    layout_detect: bool | None = None,
+    tensor_parallel: int | None = None,
+    data_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
+    tensor_parallel_rank: int | None = None,
+    data_parallel_rank: int | None = None,
+    pipeline_parallel_rank: int | None = None,
+    tensor_parallel_split: Mapping[str, str] | None = None,
     # END generated: attach keywords
     optimizer: Any | None = None,
     config: str | None = None,
@@ -594,6 +615,28 @@ def attach(
         bundle_dir: The folder reproducer bundles are written to when the server asks for them (a
             halt with the server's halt.bundle, or twinstep zoom --bundle). Default:
             twinstep-bundles.
+        layout_detect: Find this rank's place in its training's parallel layout, and what each
+            record holds of its logical tensor: torch's DTensors and tensor-parallel API,
+            DistributedDataParallel (a process group larger than the tensor-parallel one),
+            Megatron-core, paddle's fleet. Off: the records are sent as whole tensors, unless the
+            sizes below declare a layout. Default: true.
+        tensor_parallel: Declares the tensor-parallel size (0: not declared). Declaring any size
+            replaces detection: the ranks are derived from the global rank, tensor fastest, then
+            data, then pipeline (Megatron's order), unless given. Default: 0.
+        data_parallel: Declares the data-parallel size (0: the world size divided by the tensor and
+            pipeline sizes, when one of those is declared). Default: 0.
+        pipeline_parallel: Declares the pipeline-parallel size (0: not declared). Default: 0.
+        tensor_parallel_rank: This process's tensor-parallel rank (none: derived from its rank).
+            Default: none.
+        data_parallel_rank: This process's data-parallel rank (none: derived from its rank).
+            Default: none.
+        pipeline_parallel_rank: This process's pipeline stage (none: derived from its rank).
+            Default: none.
+        tensor_parallel_split: For layers twinstep cannot see through: glob patterns over module
+            names, each with the dimension along which tensor parallelism splits the module's
+            outputs (DIM, e.g. -1), its input (input=DIM) or both (-1,input=-1); a pattern over
+            parameter names takes the parameter's split dimension. Each rank holds block
+            tensor_parallel_rank of tensor_parallel along it. Default: none.
         optimizer: the training's optimizer (a ``torch.optim.Optimizer`` or a
             ``paddle.optimizer.Optimizer``), an argument only (it cannot come from
             the environment or a file).  Its class and hyper-parameters per

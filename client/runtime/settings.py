@@ -48,9 +48,10 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, Callable, ClassVar, Literal, Mapping
 
 from twinstep import _settings
 from twinstep._settings import Group, all_settings, build, bytes_text, groups_of, value_of
@@ -100,6 +101,7 @@ class Setting(_settings.Setting):
         return {
             "text": "str", "flag": "bool", "integer": "int", "bytes": "int | str", "seconds": "float",
             "choice": "Literal[" + ", ".join(f'"{c}"' for c in self.choices) + "]", "patterns": "Sequence[str]",
+            "pairs": "Mapping[str, str]",
         }[self.kind] + " | None"
 
     def takes(self) -> str:
@@ -109,8 +111,19 @@ class Setting(_settings.Setting):
                    "bytes": "be a positive number of bytes (e.g. 1073741824, 512MiB, 1GiB)"}
         return bounded.get(self.kind) or super().takes()
 
+    def read(self, value: Any, where: str) -> Any:
+        """A mapping's numbers (a YAML ``-1``, an argument's ``-1``) read as their text."""
+        if self.kind == "pairs" and isinstance(value, Mapping):
+            value = {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in value.items()}
+        return super().read(value, where)
+
     def verify(self, typed: Any, value: Any, where: str) -> None:
-        """Out of bounds is refused in the same words as unreadable (``takes``)."""
+        """Out of bounds is refused in the same words as unreadable (``takes``); a setting's own check after."""
+        if self.spec.validate is not None:
+            try:
+                self.spec.validate(typed)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
         if self.kind == "integer":
             inside = typed >= (self.spec.minimum or 0)
         else:
@@ -137,6 +150,8 @@ class Setting(_settings.Setting):
             return "1" if value else "0"
         if isinstance(value, (list, tuple)):
             return ",".join(value)
+        if isinstance(value, Mapping):
+            return " ".join(f"{k}={v}" for k, v in value.items())
         return str(value)
 
     def show(self, value: Any) -> str:
@@ -153,6 +168,7 @@ class Setting(_settings.Setting):
             "flag": "true/false", "integer": f"integer >= {self.spec.minimum or 0}", "seconds": "seconds > 0",
             "bytes": "bytes: 1073741824, 512MiB, 2G", "choice": ", ".join(self.choices),
             "patterns": "glob patterns: a YAML list, or comma-separated",
+            "pairs": f"a YAML mapping, or {self.spec.metavar or 'KEY=VALUE'} items separated by spaces",
         }.get(self.kind) or self.spec.metavar or "text"
 
 
@@ -168,6 +184,8 @@ class Spec(_settings.Spec):
     """``twinstep run`` has an option for it (not for what differs between the processes of one job)."""
     launcher: tuple[str, ...] = ()
     """Launchers' variables read after ``TWINSTEP_<NAME>`` (torchrun's, paddle.distributed.launch's)."""
+    validate: Callable[[Any], Any] | None = None
+    """Raises ValueError for a value of the right kind that the setting cannot take (in words naming it)."""
 
 
 def setting(default: Any, *, help: str, **spec: Any) -> Any:
@@ -340,6 +358,65 @@ class ReproduceSettings(Group):
         server's halt.bundle, or twinstep zoom --bundle).""")
 
 
+_DIM = re.compile(r"[+-]?\d+")
+
+
+def parse_tensor_parallel_split(mapping: Mapping[str, str]) -> dict[str, tuple[int | None, int | None]]:
+    """``tensor_parallel_split`` read: {pattern: (the dimension its outputs are split along, its input's)}.
+
+    Each value is ``DIM`` (or ``output=DIM``), ``input=DIM``, or both separated by a comma; a
+    pattern that names parameters takes ``DIM``, the parameter's own dimension.  ValueError
+    (without the setting's name: the caller says where) for anything else.
+    """
+    out: dict[str, tuple[int | None, int | None]] = {}
+    for pattern, text in mapping.items():
+        dims: dict[str, int] = {}
+        for item in str(text).split(","):
+            key, sep, dim = item.strip().rpartition("=")
+            key = key.strip() if sep else "output"
+            if key not in ("output", "input") or key in dims or not _DIM.fullmatch(dim.strip()):
+                raise ValueError(f"{pattern!r}: {text!r} is not a dimension DIM, output=DIM or input=DIM "
+                                 "(both: output=DIM,input=DIM)")
+            dims[key] = int(dim)
+        out[pattern] = (dims.get("output"), dims.get("input"))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutSettings(Group):
+    """Where this rank sits in its training's parallel layout (docs/layouts.md)."""
+
+    group: ClassVar[str] = "layout"
+
+    layout_detect: bool = setting(True, help="""
+        Find this rank's place in its training's parallel layout, and what each record holds of its
+        logical tensor: torch's DTensors and tensor-parallel API, DistributedDataParallel (a process
+        group larger than the tensor-parallel one), Megatron-core, paddle's fleet. Off: the records
+        are sent as whole tensors, unless the sizes below declare a layout.""")
+    tensor_parallel: int = setting(0, minimum=0, help="""
+        Declares the tensor-parallel size (0: not declared). Declaring any size replaces detection:
+        the ranks are derived from the global rank, tensor fastest, then data, then pipeline
+        (Megatron's order), unless given.""")
+    data_parallel: int = setting(0, minimum=0, help="""
+        Declares the data-parallel size (0: the world size divided by the tensor and pipeline
+        sizes, when one of those is declared).""")
+    pipeline_parallel: int = setting(0, minimum=0, help="""
+        Declares the pipeline-parallel size (0: not declared).""")
+    tensor_parallel_rank: int | None = setting(None, minimum=0, option=False, help="""
+        This process's tensor-parallel rank (none: derived from its rank).""")
+    data_parallel_rank: int | None = setting(None, minimum=0, option=False, help="""
+        This process's data-parallel rank (none: derived from its rank).""")
+    pipeline_parallel_rank: int | None = setting(None, minimum=0, option=False, help="""
+        This process's pipeline stage (none: derived from its rank).""")
+    tensor_parallel_split: dict[str, str] | None = setting(
+        None, metavar="PATTERN=DIM", validate=parse_tensor_parallel_split, help="""
+        For layers twinstep cannot see through: glob patterns over module names, each with the
+        dimension along which tensor parallelism splits the module's outputs (DIM, e.g. -1),
+        its input (input=DIM) or both (-1,input=-1); a pattern over parameter names takes the
+        parameter's split dimension. Each rank holds block tensor_parallel_rank of
+        tensor_parallel along it.""")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttachSettings:
     """Every setting of one ``attach``, by group: ``settings.capture.every``, ``settings.connection.server``."""
@@ -352,6 +429,7 @@ class AttachSettings:
     weights: WeightSettings = field(default_factory=WeightSettings)
     batches: BatchSettings = field(default_factory=BatchSettings)
     reproduce: ReproduceSettings = field(default_factory=ReproduceSettings)
+    layout: LayoutSettings = field(default_factory=LayoutSettings)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> "AttachSettings":
@@ -395,6 +473,22 @@ class AttachSettings:
                              "(share_weights=True)")
         if not identity.rank < identity.world_size:
             raise ValueError(f"rank {identity.rank} is outside world size {identity.world_size}")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Declared sizes must tile the world, and declared ranks fit their sizes."""
+        layout, world = self.layout, self.identity.world_size
+        tp, dp, pp = layout.tensor_parallel, layout.data_parallel, layout.pipeline_parallel
+        if not (tp or dp or pp):
+            return
+        declared = f"tensor_parallel={tp or 1} x data_parallel={dp or 'the rest'} x pipeline_parallel={pp or 1}"
+        if dp and (tp or 1) * dp * (pp or 1) != world or not dp and world % ((tp or 1) * (pp or 1)):
+            raise ValueError(f"the declared layout ({declared}) does not tile world size {world}")
+        for rank_name, size in (("tensor_parallel_rank", tp or 1), ("pipeline_parallel_rank", pp or 1),
+                                ("data_parallel_rank", dp or world // ((tp or 1) * (pp or 1)))):
+            rank = getattr(layout, rank_name)
+            if rank is not None and rank >= size:
+                raise ValueError(f"{rank_name} {rank} is outside its size {size} ({declared})")
 
 
 #: The groups, in order: (attribute of AttachSettings, group class).

@@ -87,6 +87,16 @@ class RankAligner:
         """Bytes of every run's held steps."""
         return sum(state.nbytes for state in self._runs.values())
 
+    def take_held(self) -> list[tuple[str, StepData]]:
+        """Every held step of every run, handed over and forgotten (the session now merges ranks instead)."""
+        out = []
+        for name, state in self._runs.items():
+            out.extend((name, data) for data in state.steps.values())
+            state.steps.clear()
+            state.nbytes = 0
+            state.delivered = -1
+        return out
+
     def release_all(self) -> int:
         """Free every held step (the session's runs have ended: none can find a counterpart); returns bytes freed."""
         freed = 0

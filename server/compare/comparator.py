@@ -184,6 +184,8 @@ class StepComparison:
     """metric -> tolerance per row (aligned with ``rows``), for headroom."""
     keys: list[tuple[str, str, int, int]] = field(default_factory=list)
     """(phase, baseline name, call index, slot) per row: the record across steps."""
+    layout_mismatches: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    """Pairs left out because the runs' layouts differ (server/compare/plan.py)."""
     evidence: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
     """Each row's error on one scale, and its metric (server/detect/evidence.py); filled when first asked."""
 
@@ -210,6 +212,8 @@ class CompareContext:
     """Either run multiplies float32 matrices in TF32: float32 records get tf32 tolerances."""
     plans: PlanCache | None = None
     """Join plans kept by whoever compares (a session holds one for all its steps); None plans every step afresh."""
+    shapes_are_layout: bool = False
+    """The runs' parallel layouts differ: shapes that cannot match are layout differences, not divergences."""
 
 
 def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepComparison:
@@ -217,13 +221,14 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
     records with full tensors, sketches or fused parts; what does not change between steps is planned once."""
     def build():
         return build_plan(base, cand, mapping=ctx.mapping, tolerances=ctx.tolerances,
-                          base_framework=ctx.base_framework, cand_framework=ctx.cand_framework, tf32=ctx.tf32)
+                          base_framework=ctx.base_framework, cand_framework=ctx.cand_framework, tf32=ctx.tf32,
+                          shapes_are_layout=ctx.shapes_are_layout)
 
     if ctx.plans is None:
         plan = build()
     else:
         base_layout, cand_layout = base.layout, cand.layout
-        rest = (ctx.base_framework, ctx.cand_framework, ctx.tf32)
+        rest = (ctx.base_framework, ctx.cand_framework, ctx.tf32, ctx.shapes_are_layout)
         key = (base_layout, cand_layout, *rest)
         # A layout's record part is one object for every step of a stream (ingest/layouts.py): found by identity.
         alias = ((id(base_layout[0]), base_layout[1:], id(cand_layout[0]), cand_layout[1:], *rest),
@@ -236,6 +241,7 @@ def compare_step(base: StepData, cand: StepData, ctx: CompareContext) -> StepCom
         rows=[],
         unmatched_baseline=list(plan.unmatched_baseline),
         unmatched_candidate=list(plan.unmatched_candidate),
+        layout_mismatches=plan.layout_mismatches,
     )
     pairs = plan.pairs
     if not pairs:

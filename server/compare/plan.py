@@ -68,6 +68,8 @@ class JoinPlan:
     width: int = 0
     """The model's width as its parameters show it: the largest of each baseline matrix's smaller side
     (a transformer's hidden size); 0 without matrices.  Faithful noise grows with it (server/detect/origin.py)."""
+    layout_mismatches: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    """(phase, name, baseline shape, candidate shape) of pairs left out as layout differences."""
     derived: dict[str, Any] = field(default_factory=dict)
     """What consumers of comparisons compute once per plan (per-phase index groups, masks), by consumer."""
 
@@ -162,8 +164,25 @@ def build_plan(
     base_framework: str,
     cand_framework: str,
     tf32: bool,
+    shapes_are_layout: bool = False,
 ) -> JoinPlan:
+    """``shapes_are_layout``: the runs' parallel layouts differ, so a 1:1 pair whose shapes cannot match is a
+    layout difference (``layout_mismatches``), not compared and never a divergence."""
     pairs, fused_rules, unmatched_baseline, unmatched_candidate = join(base, cand, mapping)
+    layout_mismatches: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
+    if shapes_are_layout:
+        kept = []
+        for base_group, cand_group in pairs:
+            i, j = base_group[0], cand_group[0]
+            if base_group[0] not in fused_rules:
+                transpose = int(base.phase[i]) in phases.PARAM_PHASES and layout.needs_transpose(
+                    (base_framework, base.types[i], base.names[i]), (cand_framework, cand.types[j], cand.names[j]))
+                if not layout.shapes_compatible(base.shapes[i], cand.shapes[j], transpose):
+                    layout_mismatches.append((phases.name(int(base.phase[i])), base.names[i], base.shapes[i],
+                                              cand.shapes[j]))
+                    continue
+            kept.append((base_group, cand_group))
+        pairs = kept
     n = len(pairs)
     base_index = np.fromiter((group[0] for group, _ in pairs), dtype=np.int64, count=n)
     names = [group_name([base.names[x] for x in group]) for group, _ in pairs]
@@ -224,6 +243,7 @@ def build_plan(
         judged=np.array([key[0] != "input" for key in keys], dtype=bool),
         width=max((min(base.shapes[g[0]]) for g, _ in pairs
                    if int(base.phase[g[0]]) in phases.PARAM_PHASES and len(base.shapes[g[0]]) == 2), default=0),
+        layout_mismatches=layout_mismatches,
     )
 
 

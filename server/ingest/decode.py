@@ -8,6 +8,7 @@ from twinstep.server.errors import invalid
 from twinstep.server.ingest.manifest import Manifest
 from twinstep.server.ingest.pieces import PieceCollector, TensorData
 from twinstep.server.ingest.step import StepData
+from twinstep.server.layouts.placement import read_placements
 from twinstep.v1 import twinstep_pb2 as pb
 
 MAX_RECORDS = 2_000_000
@@ -74,7 +75,9 @@ def decode_step(message: pb.StepRecords, manifest: Manifest, pieces: PieceCollec
         payloads = pieces.take(message.step, message.tensor_pieces, n, count.tolist())
     elif message.tensor_pieces:
         raise invalid(f"step {message.step} announces {message.tensor_pieces} tensor pieces, none arrived")
+    placements = read_placements(message, shapes) if message.placements else {}
     return StepData(
+        placements=placements,
         step=message.step,
         rank=message.rank,
         phase=phase_column,

@@ -35,6 +35,8 @@ class StepData:
     """(buckets, seed): sketches of two runs compare only when these agree."""
     layout_key: tuple | None = None
     """Set by decode_step; see :attr:`layout`."""
+    placements: dict = field(default_factory=dict)
+    """record index -> its RecordPlacement (twinstep.server.layouts.placement) where the run declared one."""
 
     def __len__(self) -> int:
         return len(self.names)

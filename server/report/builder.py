@@ -38,6 +38,10 @@ def build_report(snapshot: SessionSnapshot) -> pb.Report:
         tensor_steps=snapshot.tensor_steps,
         preflight=snapshot.preflight,
         operations=snapshot.operations,
+        layout_mode=snapshot.layout_mode,
+        layout_summary=snapshot.layout_summary,
+        layout_differences=snapshot.layout_differences,
+        replica_mismatches=snapshot.replica_mismatches,
     )
     if snapshot.batch_sync is not None:
         report.batch_sync.CopyFrom(snapshot.batch_sync)
@@ -53,6 +57,12 @@ def build_report(snapshot: SessionSnapshot) -> pb.Report:
     if snapshot.proposed_mapping:
         report.proposed_mapping = automatch.to_yaml(snapshot.proposed_mapping)
     report.candidates.extend(_candidate_section(candidate) for candidate in snapshot.candidates)
+    merged_from = snapshot.merged_from or {}
+    for section in report.candidates:
+        if section.HasField("first_divergence") and section.candidate_run in merged_from:
+            section.first_divergence.merged_from = merged_from[section.candidate_run]
+    if report.HasField("first_divergence") and report.first_divergence.candidate_run in merged_from:
+        report.first_divergence.merged_from = merged_from[report.first_divergence.candidate_run]
     divergences = {c.candidate_run: c.first_divergence for c in report.candidates if c.HasField("first_divergence")}
     explained.join(list(report.preflight), divergences)
     if report.HasField("first_divergence"):

@@ -22,7 +22,7 @@ from twinstep.v1 import twinstep_pb2 as pb
 
 #: Version of the JSON form: the major number changes when a key is removed or changes meaning,
 #: the minor number when keys are added.  The schema is ``report.schema.json`` beside this module.
-SCHEMA_VERSION = "1.9"
+SCHEMA_VERSION = "1.10"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -74,6 +74,16 @@ def report_to_dict(report: pb.Report) -> dict[str, Any]:
         "tensor_steps": tensor_steps_to_dict(report),
         "operations": operations_to_dict(report),
         "preflight": preflight_to_dict(report),
+        "layouts": {
+            "mode": report.layout_mode or None,
+            "summary": report.layout_summary,
+            "differences": [{"run": d.run, "phase": d.phase, "name": d.name, "reason": d.reason,
+                             "first_step": d.first_step, "steps": d.steps} for d in report.layout_differences],
+            "replica_mismatches": [{"run": m.run, "step": m.step, "phase": m.phase, "name": m.name,
+                                    "ranks": list(m.ranks), "agreeing": list(m.agreeing), "statistic": m.statistic,
+                                    "value": _finite(m.value), "expected": _finite(m.expected), "text": m.text}
+                                   for m in report.replica_mismatches],
+        },
     }
 
 
@@ -100,6 +110,7 @@ def _divergence(d: pb.Divergence) -> dict[str, Any]:
                  for p in d.path],
         "explained_by": [{"category": f.category, "key": f.key, "baseline": f.baseline, "candidate": f.candidate,
                           "module": f.module, "message": f.message} for f in d.explained_by],
+        "merged_from": d.merged_from or None,
     }
 
 
@@ -200,6 +211,10 @@ def _run(r: pb.RunStatus) -> dict[str, Any]:
         "environment": dict(r.environment),
         "warnings": list(r.warnings),
         "weight_sync": weight_sync_to_dict(r),
+        "layout": ({"data_size": r.layout.data_size, "tensor_size": r.layout.tensor_size,
+                    "pipeline_size": r.layout.pipeline_size, "context_size": r.layout.context_size,
+                    "expert_size": r.layout.expert_size, "source": r.layout.source, "text": r.layout_text}
+                   if r.HasField("layout") else None),
         "capture_health": [
             {
                 "rank": h.rank,
@@ -283,6 +298,9 @@ def _finite(value: float) -> float | str:
 def render_text(report: pb.Report) -> str:
     """Human-readable report: verdict, runs, and the module tree with the culprit marked."""
     lines = [f"session {report.session!r}: {report.status.upper()}" + ("  (halted)" if report.halted else "")]
+    if report.replica_mismatches:  # the verdict compares runs; this is within one run, and just as serious
+        runs = sorted({m.run for m in report.replica_mismatches})
+        lines[0] += f"  (but replicas disagree within run {', '.join(map(repr, runs))}: see below)"
     for r in report.runs:
         role = "baseline " if r.baseline else "reference" if r.reference else "candidate"
         version = r.environment.get(r.framework, "")
@@ -292,9 +310,13 @@ def render_text(report: pb.Report) -> str:
             + (f"  dropped {r.dropped}" if r.dropped else "")
             + ("  CAPTURE FAILING" if any(h.capture.failures or h.capture.failed_steps for h in r.health) else "")
         )
+        if r.layout_text and (r.layout_text != "1 rank" or report.layout_mode == "logical"):
+            lines.append(f"    layout: {r.layout_text}")
         if r.capture_cost.steps:
             lines.append(f"    capture: {describe_cost(r.capture_cost)}")
         lines.extend(weight_sync_lines(r))
+    if report.layout_mode == "logical" or report.layout_differences:
+        lines.append(f"  lined up: {report.layout_summary}")
     lines.append(f"  steps compared: {report.steps_compared}")
     if report.status_reasons:
         heading = "not compared" if report.status == "incomplete" else "coverage"
@@ -345,9 +367,28 @@ def render_text(report: pb.Report) -> str:
             lines.append("baseline records with no candidate counterpart: " + ", ".join(report.unmatched_baseline[:20]))
         if report.unmatched_candidate:
             lines.append("candidate records with no baseline counterpart: " + ", ".join(report.unmatched_candidate[:20]))
+    lines.extend(layout_lines(report))
     for error in report.errors[:20]:
         lines.append(f"error: {error}")
     return "\n".join(lines)
+
+
+def layout_lines(report: pb.Report) -> list[str]:
+    """Replicas that disagree, and records a difference of layout kept out of the comparison."""
+    lines: list[str] = []
+    if report.replica_mismatches:
+        lines.append("")
+        lines.append("replicas that should be identical and are not (found within one run, no baseline needed):")
+        lines.extend(f"  - {m.text}" for m in report.replica_mismatches[:20])
+    if report.layout_differences:
+        lines.append("")
+        lines.append("not compared, because the runs' layouts differ (layout differences, not divergences):")
+        for d in report.layout_differences[:20]:
+            seen = f"step {d.first_step}" + (f" and {d.steps - 1} more" if d.steps > 1 else "")
+            lines.append(f"  - {d.phase} of {d.name!r} in run {d.run!r} ({seen}): {d.reason}")
+        if len(report.layout_differences) > 20:
+            lines.append(f"  ... and {len(report.layout_differences) - 20} more (see the JSON report)")
+    return lines
 
 
 def _tree_step(report: pb.Report) -> int | None:
@@ -395,11 +436,14 @@ def _divergence_lines(d: pb.Divergence | None, stage: str, culprit: str, tree: A
         where = d.module or "(model)"
         also = f" (candidate {d.candidate_module!r})" if d.candidate_module and d.candidate_module != d.module else ""
         lines.append("")
+        rank = "every rank merged" if d.merged_from else f"rank {d.rank}"
         lines.append(
-            f"first divergence: step {d.step}, rank {d.rank}, {d.phase} of {where!r}{also} "
+            f"first divergence: step {d.step}, {rank}, {d.phase} of {where!r}{also} "
             f"in run {d.candidate_run!r}: {d.metric} {d.value:.3g} > "
             f"{'faithful floor' if d.HasField('origin') else 'tolerance'} {d.tolerance:.3g}"
         )
+        if d.merged_from:
+            lines.append(f"  merged per logical tensor: {d.merged_from}")
         lines.extend(origin_lines(d))
         lines.extend(explained_lines(d))
         if d.after_gap:

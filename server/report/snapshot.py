@@ -65,3 +65,9 @@ class SessionSnapshot:
     """Differences between the baseline's training set-up and each candidate's (twinstep.server.preflight)."""
     candidates: tuple[CandidateSnapshot, ...] = ()
     """Per candidate run, in the order they joined: its own verdict and first divergence."""
+    layout_mode: str = ""
+    layout_summary: str = ""
+    layout_differences: tuple[pb.LayoutDifference, ...] = ()
+    replica_mismatches: tuple[pb.ReplicaMismatch, ...] = ()
+    merged_from: dict[str, str] | None = None
+    """candidate run -> what its first divergence's records were merged from, in words (logical layouts)."""

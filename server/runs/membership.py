@@ -18,6 +18,7 @@ from twinstep.server.compare.tolerance import PRECISIONS
 from twinstep.server.connection import Connection
 from twinstep.server.errors import InputError, invalid
 from twinstep.server.ingest.manifest import Manifest
+from twinstep.server.layouts.mesh import RunLayout
 from twinstep.v1 import twinstep_pb2 as pb
 
 ENDED = ("finished", "halted", "lost")
@@ -90,6 +91,8 @@ class RunState:
     """Arithmetic of float32 matrix products: "fp32" or "tf32"."""
     share_weights: bool = False
     """The baseline shares its initial parameters (Hello.share_weights, as its latest stream said)."""
+    layout: RunLayout | None = None
+    """Its parallel layout, as its first rank to join declared it (twinstep.server.layouts.mesh)."""
     ranks: dict[int, RankState] = field(default_factory=dict)
 
     @property
@@ -207,6 +210,8 @@ class Membership:
             )
         if hello.rank == 0:
             run.share_weights = hello.share_weights
+        if run.layout is None or (hello.rank == 0 and hello.HasField("layout")):
+            run.layout = RunLayout.of(hello.layout if hello.HasField("layout") else None, hello.world_size)
         rank_state = run.ranks.get(hello.rank)
         replaced = None
         if rank_state is None:
@@ -274,6 +279,9 @@ class Membership:
                 records_received=sum(state.records_received for state in run.ranks.values()),
                 steps_resent=sum(state.steps_resent for state in run.ranks.values()),
             )
+            if run.layout is not None:
+                status.layout.CopyFrom(run.layout.to_proto())
+                status.layout_text = run.layout.text()
             for state in run.ranks.values():
                 add_cost(status.capture_cost, state.capture_cost)
             for rank, state in sorted(run.ranks.items()):

@@ -131,9 +131,11 @@ class SessionCore:
         out.add(Commit(Kind.HELLO, conn.stream_id, hello))
         self._verdict_told = False  # a run (re)joined: the verdict is told again when all have ended
         self.coverage.declare(hello.run, hello.rank, hello)
-        aligner = self.pipeline.aligner(hello.rank)
-        aligner.reopen(hello.run)
-        welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION, last_step_received=aligner.delivered(hello.run),
+        self.pipeline.aligner(hello.rank).reopen(hello.run)
+        self.pipeline.rank_rejoined(hello.run, hello.rank)
+        self.pipeline.decide_layout(out)
+        welcome = pb.Welcome(protocol_version=PROTOCOL_VERSION,
+                             last_step_received=self.pipeline.delivered(hello.run, hello.rank),
                              max_step_tensor_bytes=self.config.window.bytes)
         if hello.capture == "lossy":
             for phase, bound in self._lossy_bounds().items():
@@ -306,7 +308,7 @@ class SessionCore:
         if message.step < 0:
             raise invalid(f"negative step {message.step}")
         rank_state = self.members.rank_of(conn)
-        if message.step <= self.pipeline.aligner(conn.rank).delivered(conn.run or ""):
+        if message.step <= self.pipeline.delivered(conn.run or "", conn.rank):
             # Sent again after a reconnect: this server holds it (or compared it) already.
             conn.pieces.discard()
             rank_state.steps_resent += 1

@@ -32,9 +32,14 @@ from twinstep.server.detect.noise import NoiseBands
 from twinstep.server.detect.records import NamedRecordTracker
 from twinstep.server.detect.stage_errors import StageErrors
 from twinstep.server.ingest.step import StepData
+from twinstep.server.layouts.gather import StepGather
+from twinstep.server.layouts.ledger import LayoutLedger
+from twinstep.server.layouts.merge import StepMerger, select
+from twinstep.server.layouts.mesh import LOGICAL, RANKS, RunLayout, decide
 from twinstep.server.runs.membership import ENDED, Membership, RunState
 from twinstep.server.view.history import SessionHistory
 from twinstep.v1 import twinstep_pb2 as pb
+from twinstep.wire import phases
 
 if TYPE_CHECKING:
     from twinstep.server.session.actions import Actions
@@ -74,6 +79,15 @@ class ComparePipeline:
         self.unmatched_baseline: dict[RecordLabel, None] = {}
         self.unmatched_candidate: dict[RecordLabel, None] = {}
         self._deferred: dict[int, list] = {}
+        self.layout_mode: str | None = None if config.comparison.layouts == "auto" else config.comparison.layouts
+        """"ranks" or "logical" once decided (twinstep.server.layouts.mesh); None until two runs have joined."""
+        self.layout_summary = "" if self.layout_mode is None else decide(self.layout_mode, {})[1].rstrip("; ")
+        self.layouts = LayoutLedger()
+        self._gathers: dict[str, StepGather] = {}
+        self._mergers: dict[str, StepMerger] = {}
+        self._replica_watch: dict[str, tuple[StepGather, StepMerger]] = {}
+        """Runs compared rank by rank (or not yet compared) whose layout has replicas: their gradients and
+        parameters, gathered over ranks only to check that replicas agree (no baseline needed)."""
 
     @property
     def runs(self) -> dict[str, RunState]:
@@ -87,8 +101,105 @@ class ComparePipeline:
             aligner = self.aligners[rank] = RankAligner(rank, self.config.window.steps, self.config.window.bytes)
         return aligner
 
+    # -- layouts: rank by rank, or each run's ranks merged per logical tensor ----------------------------
+
+    @property
+    def logical(self) -> bool:
+        return self.layout_mode == LOGICAL
+
+    def decide_layout(self, out: "Actions") -> None:
+        """Once the baseline and another run have joined, decide how ranks line up; steps held meanwhile go on."""
+        layouts = {run.name: run.layout or RunLayout(run.world_size) for run in self.members.ordered()}
+        if self.layout_mode is not None:
+            if self.layout_mode == RANKS and len({layout.shape for layout in layouts.values()}) > 1 \
+                    and self.config.comparison.layouts == "auto" and "differ" not in self.layout_summary:
+                self.layout_summary = (f"{self.layout_summary}; a run of another layout joined after the comparison "
+                                       "began rank by rank: records whose shapes differ are named as layout "
+                                       "differences (comparison.layouts: logical merges them)")
+                self._on_error(self.layout_summary, out)
+            return
+        if self.members.baseline is None or len(layouts) < 2:
+            return
+        self.layout_mode, self.layout_summary = decide(self.config.comparison.layouts, layouts)
+        if self.logical:  # steps held rank by rank until now are merged instead
+            self._replica_watch.clear()  # the merge checks replicas now
+            held = sorted(((data.step, rank, run, data) for rank, aligner in self.aligners.items()
+                           for run, data in aligner.take_held()), key=lambda item: item[:2])
+            for _, rank, run, data in held:
+                self.add(run, rank, data, out)
+
+    def delivered(self, run: str, rank: int) -> int:
+        """The highest step of ``run``'s ``rank`` this session holds or compared (a lower one is a resend)."""
+        if self.logical:
+            gather = self._gathers.get(run)
+            return gather.delivered(rank) if gather is not None else -1
+        return self.aligner(rank).delivered(run)
+
+    def merged_from(self, candidate: str, row) -> str:
+        """What a candidate's row and its baseline counterpart were merged from, in words ("": rank by rank)."""
+        if not self.logical:
+            return ""
+        cand = self.layouts.provenance(candidate, row.phase, row.candidate_name)
+        base = self.layouts.provenance(self.members.baseline or "", row.phase, row.name)
+        if not (cand or base):
+            return ""
+        return f"{candidate!r}: {cand or 'as sent'}; baseline {self.members.baseline!r}: {base or 'as sent'}"
+
+    def pending_steps(self, run: str, rank: int) -> int:
+        """Steps of ``run``'s ``rank`` held for a counterpart (lined up, waiting for other ranks, or undecided)."""
+        held = self.aligner(rank).pending_steps(run) if not self.logical else self.aligner(0).pending_steps(run)
+        gather = self._gathers.get(run)
+        return held + (gather.pending_steps(rank) if gather is not None else 0)
+
+    def rank_rejoined(self, run: str, rank: int) -> None:
+        gather = self._gathers.get(run)
+        if gather is not None:
+            gather.reopen(rank)
+
+    def _gather(self, run: str) -> StepGather:
+        found = self._gathers.get(run)
+        if found is None:
+            found = self._gathers[run] = StepGather(self.runs[run].world_size, self.config.window.steps)
+            self._mergers[run] = StepMerger(run)
+        return found
+
+    def _merged(self, run: str, wholes: list[dict[int, StepData]], out: "Actions") -> None:
+        for parts in wholes:
+            merged = self._mergers[run].merge(parts, self.runs[run].world_size)
+            for mismatch in self.layouts.add(run, merged.data.step, merged):
+                out.alert("error", mismatch.text, kind="replica", run=run)
+            self._add_aligned(run, 0, merged.data, out)
+
     def add(self, run: str, rank: int, data: StepData, out: "Actions") -> None:
         """A decoded step of ``run``: line it up, compare what is ready (what it says goes to ``out``)."""
+        if self.logical:  # undecided (one side joined so far) lines up rank by rank, as most sessions will
+            self._merged(run, self._gather(run).add(rank, data), out)
+            return
+        self._watch_replicas(run, rank, data, out)
+        self._add_aligned(run, rank, data, out)
+
+    def _watch_replicas(self, run: str, rank: int, data: StepData | None, out: "Actions") -> None:
+        """Rank by rank, a run with replicas still has them checked: its gradients and parameters over its ranks."""
+        state = self.runs[run]
+        layout = state.layout
+        if layout is None or state.world_size < 2 or (layout.data <= 1 and layout.tensor <= 1):
+            return
+        watch = self._replica_watch.get(run)
+        if watch is None:
+            watch = self._replica_watch[run] = (StepGather(state.world_size, self.config.window.steps),
+                                               StepMerger(run))
+        gather, merger = watch
+        if data is None:
+            wholes = gather.end(rank)
+        else:
+            params = (data.phase == phases.GRAD) | (data.phase == phases.PARAM)
+            wholes = gather.add(rank, select(data, params) if not params.all() else data)
+        for parts in wholes:
+            merged = merger.merge(parts, state.world_size)
+            for mismatch in self.layouts.add_replicas(run, merged.data.step, merged):
+                out.alert("error", mismatch.text, kind="replica", run=run)
+
+    def _add_aligned(self, run: str, rank: int, data: StepData, out: "Actions") -> None:
         aligner = self.aligner(rank)
         pairs = aligner.add(run, data, self.members.baseline, self.members.compared_runs,
                             keep_baseline=not self.members.candidates)
@@ -101,6 +212,14 @@ class ComparePipeline:
 
     def rank_ended(self, run: str, rank: int, out: "Actions") -> None:
         """A rank's stream ended for good: release what can no longer match, compare what is ready."""
+        if self.logical:
+            gather = self._gather(run)
+            self._merged(run, gather.end(rank), out)
+            if not gather.all_ended():
+                return
+            rank = 0
+        else:
+            self._watch_replicas(run, rank, None, out)
         self.aligner(rank).finish(run, self.members.baseline, self.members.compared_runs,
                                   not self.members.candidates)
         self.run_deferred(rank, out)
@@ -132,6 +251,7 @@ class ComparePipeline:
             noise=None if cand_run.reference or not self.members.references else self.noise,
             tf32="tf32" in (base_run.precision, cand_run.precision),
             plans=self.plans,
+            shapes_are_layout=self._layouts_differ(base_run, cand_run),
         )
         comparison = compare_step(base_step, cand_step, ctx)
         self.coverage.compared(candidate_run, cand_step.rank, cand_step.step)
@@ -143,6 +263,9 @@ class ComparePipeline:
             ctx.mapping = self.mapping_for(candidate_run, cand_step.rank)
             comparison = compare_step(base_step, cand_step, ctx)
             self._on_mapping_proposed(out)
+        for phase, name, base_shape, cand_shape in comparison.layout_mismatches:
+            self.layouts.difference(candidate_run, base_step.step, phase, name, _shape_words(
+                self.members.baseline or "", base_run, base_shape, candidate_run, cand_run, cand_shape, self.logical))
         if not cand_run.reference:
             self.named_records.add(comparison, base_step, cand_step)
         self.long_run.add(candidate_run, base_step.step, base_step.rank, base_step, cand_step)
@@ -151,6 +274,10 @@ class ComparePipeline:
             self.noise.add(comparison)
             return
         self._detect(comparison, out)
+
+    def _layouts_differ(self, base: RunState, cand: RunState) -> bool:
+        a, b = base.layout or RunLayout(base.world_size), cand.layout or RunLayout(cand.world_size)
+        return a.shape != b.shape
 
     def mapping_for(self, run: str, rank: int):
         """The names ``run``'s rank compares under (a user's mapping, or one proposed for it)."""
@@ -186,6 +313,9 @@ class ComparePipeline:
         for name in self.members.candidates:
             cand = self.runs[name]
             ranks = range(min(base.world_size, cand.world_size))
+            if self.logical:  # a logical step is whole once every rank of every run has passed it
+                frontier[name] = min(self._whole_run_step(run) for run in [base, cand, *references])
+                continue
             frontier[name] = min(
                 (min([base.effective_step(r), cand.effective_step(r)] + [ref.effective_step(r) for ref in references])
                  for r in ranks),
@@ -208,12 +338,22 @@ class ComparePipeline:
             unlisted += extra
         return gaps, unlisted
 
+    @staticmethod
+    def _whole_run_step(run: RunState) -> float:
+        return min((run.effective_step(r) for r in range(run.world_size)), default=-1)
+
     def compared_ranks(self, candidate: str) -> range:
         base = self.runs.get(self.members.baseline or "")
         cand = self.runs.get(candidate)
         if base is None or cand is None:
             return range(0)
+        if self.logical:
+            return range(1)  # one logical rank: each run's ranks merged
         return range(min(base.world_size, cand.world_size))
+
+    def compared_world(self, run: RunState) -> int:
+        """Ranks a step of ``run`` is compared on: 1 when runs' ranks are merged per logical tensor."""
+        return 1 if self.logical else run.world_size
 
     def sides(self, candidate: str, rank: int) -> tuple[Side, Side]:
         """The baseline and a candidate as the gap finder sees them, for one rank."""
@@ -248,15 +388,33 @@ class ComparePipeline:
         world = max((run.world_size for run in self.runs.values()), default=1)
         if self.members.baseline is not None:
             world = self.runs[self.members.baseline].world_size
-        return self.tracker.steps_compared(world)
+        return self.tracker.steps_compared(1 if self.logical else world)
 
     def held_bytes(self) -> int:
-        return sum(aligner.held_bytes() for aligner in self.aligners.values())
+        return (sum(aligner.held_bytes() for aligner in self.aligners.values())
+                + sum(gather.held_bytes() for gather in self._gathers.values())
+                + sum(gather.held_bytes() for gather, _ in self._replica_watch.values()))
 
     def release_all(self) -> int:
-        return sum(aligner.release_all() for aligner in self.aligners.values())
+        freed = sum(aligner.release_all() for aligner in self.aligners.values())
+        freed += sum(gather.release_all() for gather in self._gathers.values())
+        freed += sum(gather.release_all() for gather, _ in self._replica_watch.values())
+        return freed
 
 
 def _forward_names(labels: list[RecordLabel]) -> set[str]:
     """Module names of the forward records among ``labels`` ("" is the model's root)."""
     return {label.name for label in labels if label.phase == "forward"}
+
+
+def _shape_words(base_name: str, base: RunState, base_shape: tuple, cand_name: str, cand: RunState,
+                 cand_shape: tuple, merged: bool) -> str:
+    """Why a record is a layout difference, in words: which runs, what each holds."""
+    def side(name: str, run: RunState, shape: tuple) -> str:
+        layout = run.layout or RunLayout(run.world_size)
+        return f"{list(shape)} on {name!r} ({layout.text()})"
+
+    how = "after merging each run's ranks" if merged else "rank by rank"
+    return (f"shapes differ {how}: {side(base_name, base, base_shape)} against {side(cand_name, cand, cand_shape)}; "
+            "the layouts differ and this record's placement is not known, so it is not compared (declare it in "
+            "the layout settings)")

@@ -43,8 +43,9 @@ class DivergencePolicy:
                 f"session {core.name}: first divergence of run {comparison.candidate_run!r} at step "
                 f"{comparison.step} rank {comparison.rank}, {row.phase} of {row.name or '(model)'!r}: "
                 f"{row.metric} {row.value:.3g} > {row.tolerance:.3g}")))
-            out.add(Publish(pb.Event(divergence=found.to_proto()), keep=True,
-                            streams=tuple(core.members.connections())))
+            divergence = found.to_proto()
+            divergence.merged_from = core.pipeline.merged_from(comparison.candidate_run, row)
+            out.add(Publish(pb.Event(divergence=divergence), keep=True, streams=tuple(core.members.connections())))
             where = (f"divergence at step {comparison.step}, {row.phase} of {row.name or '(model)'!r} "
                      f"({row.metric} {row.value:.3g} > {row.tolerance:.3g})")
             gap = ""

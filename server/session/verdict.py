@@ -78,7 +78,7 @@ def _kept_words(core: "SessionCore", runs: list[str]) -> str | None:
     for name in runs:
         run = core.runs[name]
         role = "baseline" if run.baseline else "reference" if run.reference else "candidate"
-        held = max((core.pipeline.aligner(rank).pending_steps(name) for rank in run.ranks), default=0)
+        held = max((core.pipeline.pending_steps(name, rank) for rank in run.ranks), default=0)
         delivered = max((core.coverage.rank(name, rank).delivered.count() for rank in run.ranks), default=0)
         held_total += held
         if held == 0:

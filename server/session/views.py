@@ -92,7 +92,22 @@ def snapshot(core: "SessionCore", long_run: bool, batch_sync: pb.BatchSync | Non
         operations=tuple(core.operations.to_proto()),
         preflight=tuple(core.preflight.to_proto(core.candidates)),
         candidates=tuple(_candidate(core, run, coverage[run].summary, final) for run in core.candidates),
+        layout_mode=pipeline.layout_mode or "",
+        layout_summary=pipeline.layout_summary,
+        layout_differences=tuple(pipeline.layouts.differences()),
+        replica_mismatches=tuple(pipeline.layouts.replica_mismatches()),
+        merged_from=_merged_from(core),
     )
+
+
+def _merged_from(core: "SessionCore") -> dict[str, str]:
+    """Per candidate with a declared divergence: what its and the baseline's records were merged from."""
+    out = {}
+    for run, found in core.pipeline.tracker.declared.items():
+        text = core.pipeline.merged_from(run, found.row)
+        if text:
+            out[run] = text
+    return out
 
 
 def _candidate(core: "SessionCore", candidate: str, coverage: str, final: bool = False) -> CandidateSnapshot:
@@ -101,6 +116,8 @@ def _candidate(core: "SessionCore", candidate: str, coverage: str, final: bool =
     status, reasons = verdict.of_candidate(core, candidate, final)
     run = core.runs[candidate]
     world = min(run.world_size, core.runs[core.baseline].world_size) if core.baseline in core.runs else 1
+    if pipeline.logical:
+        world = 1  # each run's ranks merged: one logical rank
     return CandidateSnapshot(
         run=candidate, framework=run.framework, status=status, status_reasons=tuple(reasons),
         halted=core.halted or candidate in core.halts.runs_halted,

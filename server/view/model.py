@@ -99,6 +99,7 @@ def _progress(report: pb.Report, live: LiveFacts | None) -> list[dict[str, Any]]
             "framework": r.framework,
             "state": r.state,
             "ranks": r.ranks,
+            "layout": r.layout_text or None,
             "last_step": r.last_step,
             "steps_per_second": None if rate is None or not math.isfinite(rate) else round(rate, 3),
             "steps_behind": behind,

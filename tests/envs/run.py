@@ -95,6 +95,15 @@ INTEGRATION: dict[str, Row] = {
                                    "it starts, tied to its preflight finding"),
     "test_operations.py": Row(FRAMEWORKS, "operations inside a module, traced in each framework"),
     "test_three_way.py": Row(FRAMEWORKS, "several candidates, MindSpore's among them where installed", quick=True),
+    # Parallel layouts: run in the latest leg only (torch 2.13); torch 2.4's DTensor lives in torch.distributed._tensor,
+    # which the capture code also reads, untested.
+    "test_parallel_layouts.py": Row(ONCE, "TP=2 and DP=2 against one process under torch.distributed.run "
+                                    "(parallelize_module, DTensor, DDP): merged per logical tensor; torch 2.4's "
+                                    "tensor-parallel API is not exercised"),
+    "test_capture_parallel.py": Row(ONCE, "placements captured from DTensors, torch tensor parallelism, DDP, paddle "
+                                    "fleet and a declared layout, in real processes over gloo"),
+    "test_capture_megatron.py": Row(ONCE, "Megatron-core's parallel layers (skipped where megatron-core is not "
+                                    "installed, as in CI)"),
     "test_mindspore_demo.py": Row(MINDSPORE, "the MindSpore port of the demo (skips where MindSpore is not)"),
     "test_weight_sync_mindspore_demo.py": Row(MINDSPORE, "weights into MindSpore's parameter names"),
     # The server over raw streams: its code is the same in every leg, but what it parses is protobuf's, whose
@@ -105,6 +114,8 @@ INTEGRATION: dict[str, Row] = {
     "test_limits.py": Row(FRAMEWORKS, "limits, memory budget", quick=True),
     "test_session_status.py": Row(FRAMEWORKS, "a session's verdict once its runs end", quick=True),
     "test_server_policies.py": Row(FRAMEWORKS, "renamed modules, bounded windows, late joiners", quick=True),
+    "test_layout_sessions.py": Row(ONCE, "runs of different layouts merged per logical tensor, raw streams",
+                                   quick=True),
     "test_mapping_resolution.py": Row(FRAMEWORKS, "the mapping a candidate is compared with", quick=True),
     "test_watch.py": Row(FRAMEWORKS, "watching a session before it exists", quick=True),
     # Once: faults, load and restarts of the server (grpcio's reconnects and sqlite3 are the unit tier's in every

@@ -46,6 +46,12 @@ ELSEWHERE = {
                     "test_the_model_s_first_call_is_published_and_replaced_by_the_baseline_s_in_each_step",
     "batch_timeout": "tests/unit_tests/test_batch_sync.py::"
                      "test_each_rank_gets_its_own_rank_s_batch_and_a_missing_one_is_a_clear_error",
+    # Parallel layouts: real processes over gloo, or the declared layout's records.
+    "layout_detect": "tests/integration/test_capture_parallel.py::test_dtensors_are_captured_as_their_local_shards",
+    **dict.fromkeys(("tensor_parallel", "data_parallel", "tensor_parallel_split"),
+                    "tests/integration/test_capture_parallel.py::test_declared_layout_places_the_declared_modules"),
+    **dict.fromkeys(("pipeline_parallel", "tensor_parallel_rank", "data_parallel_rank", "pipeline_parallel_rank"),
+                    "tests/integration/test_capture_parallel.py::test_declared_layout_ranks_in_megatrons_order"),
 }
 _SESSIONS = itertools.count()
 ROOT = Path(__file__).resolve().parents[2]

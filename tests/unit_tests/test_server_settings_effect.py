@@ -51,6 +51,8 @@ EFFECT: dict[str, list[str]] = {
     "comparison.noise_multiple": [f"{HERE}::test_session_components_take_their_settings"],
     "comparison.noise_floor": [f"{HERE}::test_session_components_take_their_settings"],
     "comparison.drift_window": [f"{HERE}::test_session_components_take_their_settings"],
+    "comparison.layouts": ["tests/integration/test_layout_sessions.py::"
+                           "test_the_layouts_setting_forces_rank_by_rank_and_shapes_that_differ_are_named"],
     "diagnosis.trace_origins": [f"{HERE}::test_session_components_take_their_settings"],
     "diagnosis.auto_zoom": ["tests/integration/test_zoom.py::"
                             "test_auto_zoom_after_a_divergence_brings_the_module_and_its_neighbours_in_full_tensors"],

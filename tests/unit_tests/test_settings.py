@@ -132,13 +132,16 @@ def test_a_missing_file_is_named(tmp_path):
 EARLIER = ("session run baseline reference server capture include exclude every rank world_size lockstep "
            "lockstep_timeout max_queue_steps max_queue_bytes backward precision sketch compression sender start_step "
            "token tls_ca tls_client_cert tls_client_key insecure stats_workers share_weights init_from_baseline "
-           "init_timeout publish_batches sync_batches batch_timeout bundle_dir").split()
+           "init_timeout publish_batches sync_batches batch_timeout bundle_dir layout_detect tensor_parallel "
+           "data_parallel pipeline_parallel tensor_parallel_rank data_parallel_rank pipeline_parallel_rank "
+           "tensor_parallel_split").split()
 
 
 def test_every_earlier_setting_keeps_its_keyword_key_and_variable():
     assert sorted(settings.BY_NAME) == sorted(EARLIER)
     assert all(settings.BY_NAME[name].env == "TWINSTEP_" + name.upper() for name in EARLIER)
-    assert {s.name for s in settings.SETTINGS if not s.option} == {"rank", "world_size"}  # the launcher's
+    assert {s.name for s in settings.SETTINGS if not s.option} == {  # the launcher's, and what follows from them
+        "rank", "world_size", "tensor_parallel_rank", "data_parallel_rank", "pipeline_parallel_rank"}
     assert all(s.help and s.group for s in settings.SETTINGS)
 
 
@@ -219,6 +222,8 @@ def _probe(item: settings.Setting) -> Any:
         return next(c for c in item.choices if c != item.default)
     if item.kind == "patterns":
         return ("layers.*", "lm_head")
+    if item.kind == "pairs":
+        return {"layers.*.q_proj": "-1", "layers.*.o_proj": "input=-1"}
     return f"/probe/{item.name}.pem" if item.spec.path else f"probe-{item.name}"
 
 

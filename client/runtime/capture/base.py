@@ -275,3 +275,45 @@ class CaptureBackend(ABC):
     def loss_tensor(self, loss: Any) -> Tensor | None:
         """The tensor of a loss passed to ``step()``; plain floats are wrapped."""
         return loss
+
+    # -- parallel layouts (twinstep.runtime.capture.placement) ----------------------------------------
+    #
+    # A framework whose distributed tensors wrap a local shard (torch's DTensor) says so with
+    # ``has_shards``; the recorder then reads every tensor whose type is not in ``plain_types``
+    # through :meth:`local_shard`: statistics, copies, sketches and shapes are the shard's.
+
+    #: Tensors of a type outside ``plain_types`` may be distributed (read through :meth:`local_shard`).
+    has_shards: bool = False
+    #: The framework's own tensor and parameter types: their own local shard (a set lookup on the hot path).
+    plain_types: frozenset[type] = frozenset()
+
+    def local_shard(self, tensor: Tensor) -> Tensor:
+        """The part of ``tensor`` this rank holds, as a plain tensor (hot; only for types outside ``plain_types``)."""
+        return tensor
+
+    def tensor_placement(self, tensor: Tensor) -> Any:
+        """A distributed tensor's own placement (a :class:`~twinstep.runtime.capture.placement.Block`, or
+        ``placement.REPLICATED`` when it holds the whole logical tensor); None for a tensor that is not
+        distributed.  Only asked for types outside ``plain_types``."""
+        return None
+
+    def module_split(self, module: Module, layout: Any) -> tuple[Any, Any] | None:
+        """(its outputs' split, its input's split), each a :class:`~twinstep.runtime.capture.placement.Split`
+        or None, of a tensor-parallel layer the framework describes (a column- or row-parallel linear
+        layer); None for any other module.  Asked once per module."""
+        return None
+
+    def parameter_split(self, parameter: Tensor, layout: Any) -> Any:
+        """The :class:`~twinstep.runtime.capture.placement.Split` of a parameter the framework marks as one
+        rank's part of a tensor-parallel layer's (Megatron's ``partition_dim``, paddle's ``split_axis``),
+        or None.  Asked once per parameter."""
+        return None
+
+    def has_parameters(self, module: Module) -> bool:
+        """``module`` or a module inside it holds a parameter (one without passes its input's block on)."""
+        return next(iter(self.named_parameters(module)), None) is not None
+
+    def detect_layout(self, model: Module) -> Any:
+        """This rank's :class:`~twinstep.runtime.capture.placement.Layout` as the framework's process groups,
+        device meshes and wrappers tell it, or None (one process, or nothing found).  Called once, at attach."""
+        return None

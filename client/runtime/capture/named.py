@@ -133,6 +133,7 @@ class NamedRecords:
         batch.tensors = tensors
         if batch.sketch_records is not None:
             batch.sketch_records = moved[batch.sketch_records.astype(np.int64)].astype(np.uint32)
+        batch.placements = [(int(moved[record]), block) for record, block in batch.placements]
         batch.record_names = list(names)
         return batch
 

@@ -24,6 +24,7 @@ from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle
 from twinstep.runtime.capture.buffers import HostBufferPool, HostMemory, HostTensor
 from twinstep.runtime.capture.health import CaptureHealth, describe_error
 from twinstep.runtime.capture.offload import DEFAULT_TIMEOUT, StatsOffload, StatsTask
+from twinstep.runtime.capture.placement import Block, DeclaredSplit, Layout, Placements
 from twinstep.wire.codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE
 from twinstep.wire.layouts import is_in_out
 from twinstep.wire.sketch import SketchSpec
@@ -188,6 +189,9 @@ class StepBatch:
     """Names of the step's named records (phase RECORD; twinstep.runtime.capture.named): their targets index it."""
     ops: bytes = b""
     """A serialized OpTrace: one module's operations, when a zoom asked (twinstep.runtime.capture.ops)."""
+    placements: list[tuple[int, Block]] = field(default_factory=list)
+    """(record, placement) of the records of a parallel layout that are not whole, ascending
+    (twinstep.runtime.capture.placement); empty for a run with no layout."""
 
     def dims_of(self, record: int) -> tuple[int, ...]:
         """The shape of one record (dims are stored flat, ndim[i] at a time)."""
@@ -210,7 +214,7 @@ class _StepBuffer:
 
     __slots__ = (
         "phase", "target", "call", "slot", "dtype", "shapes", "stats", "tensors", "calls", "overflow", "produced",
-        "grads", "sketches", "copied", "tasks", "checks", "cost",
+        "grads", "sketches", "copied", "tasks", "checks", "cost", "placements",
     )
 
     def __init__(self) -> None:
@@ -237,15 +241,23 @@ class _StepBuffer:
         # until then so its version counter can still be read.
         self.checks: list[tuple[_Key, Any, Any, StatsTask | None]] = []
         self.cost = CaptureCost(steps=1)
+        # record index -> its placement (twinstep.runtime.capture.placement), for a run with a layout
+        self.placements: dict[int, Block] = {}
 
 
 class Recorder:
     """Hooks one model and records each step; all methods run on the training thread."""
 
     def __init__(self, model: Any, backend: CaptureBackend, config: CaptureConfig, host_pool_bytes: int = 1 << 30,
-                 host_memory: HostMemory | None = None) -> None:
+                 host_memory: HostMemory | None = None, layout: Layout | None = None,
+                 splits: tuple[DeclaredSplit, ...] = ()) -> None:
         self.backend = backend
         self.config = config
+        # Distributed tensors (torch's DTensor) are read through their local shard: None, every tensor is its own.
+        self._plain: frozenset[type] | None = backend.plain_types if backend.has_shards else None
+        self.layout = layout
+        """This rank's place in its parallel layout (None: whole; then no placement is ever computed)."""
+        self._placer = Placements(layout, backend, tuple(splits)) if layout is not None else None
         self._handles: list[RemovableHandle] = []
         self._module_ids: dict[str, int] = {}
         self._module_names: list[str] = []
@@ -260,6 +272,7 @@ class Recorder:
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
         self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
+        self._sketch_blocks = _sketches_blocks(self._sketcher)
         self._host_pool_bytes = host_pool_bytes
         self._zoom: Any = None  # twinstep.runtime.capture.control.StepZoom of the step being recorded (None: as attached)
         self._pool = (
@@ -280,6 +293,9 @@ class Recorder:
         # Hooks are attached only while a step is captured: a step that is not captured runs the model untouched.
         self._hooked = [(module, self._output_hook(name, type(module).__name__))
                         for name, module in backend.named_modules(model) if config.selects(name)]
+        # Data parallel: records of the batch are blocks of the global batch; the model's first input says its size.
+        self._batch_hook = ((model, self._batch_size_hook(model))
+                            if self._placer is not None and self._placer.data else None)
         self._removed = False
         self._attach_hooks()
         if config.parameters:
@@ -289,7 +305,7 @@ class Recorder:
                 pid = len(self.parameters)
                 if is_in_out(backend.framework, owner_type, name):
                     self._transposed.add(pid)
-                dtype, shape = backend.describe(param)
+                dtype, shape = backend.describe(self._local(param))
                 self.parameters.append((pid, name, param))
                 self.parameter_infos.append(
                     pb.ParameterInfo(
@@ -304,13 +320,37 @@ class Recorder:
             if not self._active:
                 return
             try:
-                self._record_output(name, module_type, inputs, output)
+                self._record_output(name, module_type, module, inputs, output)
             except Exception as error:  # never break the training step
                 self._hook_failed(pb.FORWARD, name, error)
 
         return hook
 
-    def _record_output(self, name: str, module_type: str, inputs: Any, output: Any) -> None:
+    def _local(self, tensor: Any) -> Any:
+        """The tensor this rank holds of ``tensor`` (a DTensor's local shard; most tensors are their own)."""
+        plain = self._plain
+        if plain is None or type(tensor) in plain:
+            return tensor
+        return self.backend.local_shard(tensor)
+
+    def _batch_size_hook(self, model: Any) -> Callable[..., None]:
+        reader = self.backend.call_reader()
+        placer = self._placer
+
+        def hook(module: Any, args: tuple, kwargs: dict[str, Any] | None = None) -> None:
+            if not self._active or placer is None:
+                return None
+            try:
+                first = self.backend.output_tensors(reader(module, args, kwargs))[:1]
+                shape = tuple(self._local(first[0]).shape) if first else ()
+                placer.batch = shape[0] if shape else None
+            except Exception:  # the batch stays unknown: this step's records are not split by data
+                placer.batch = None
+            return None
+
+        return hook
+
+    def _record_output(self, name: str, module_type: str, module: Any, inputs: Any, output: Any) -> None:
         module_id = self._module_ids.get(name)
         if module_id is None:
             module_id = len(self._module_ids)
@@ -320,59 +360,92 @@ class Recorder:
         buffer = self._buffer
         call = buffer.calls.get(module_id, 0)
         buffer.calls[module_id] = call + 1
-        if self.config.inputs:
+        placer = self._placer
+        given = None  # (tensor-parallel block, local shape) of the call's input, for a run with a layout
+        if self.config.inputs or placer is not None:
             first_input = self.backend.output_tensors(inputs)[:1]
             if first_input:
                 try:
-                    self._add_input(module_id, call, first_input[0])
+                    tensor, block = first_input[0], None
+                    if placer is not None:
+                        local = self._local(tensor)
+                        own, block, shape = placer.module_input(module_id, name, module, tensor, local)
+                        given, tensor = (own, shape), local
+                    if self.config.inputs:
+                        self._add_input(module_id, call, tensor, block)
                 except Exception as error:  # evidence only: the outputs are still worth recording
                     self._hook_failed(pb.INPUT, name, error)
         for slot, tensor in enumerate(self.backend.output_tensors(output)):
+            own = None
             try:  # one unreadable output (a complex tensor, say) leaves its siblings recorded
-                self._add(pb.FORWARD, module_id, call, slot, tensor, buffer.produced)
+                if placer is None:
+                    self._add(pb.FORWARD, module_id, call, slot, tensor, buffer.produced)
+                else:
+                    local = self._local(tensor)
+                    own, block = placer.module_output(module_id, name, module, slot, tensor, local, given)
+                    self._add(pb.FORWARD, module_id, call, slot, local, buffer.produced, block)
             except Exception as error:
                 self._hook_failed(pb.FORWARD, name, error)
                 continue
             if self.config.backward:
-                self.backend.add_grad_hook(tensor, self._grad_hook(module_id, call, slot, name))
+                self.backend.add_grad_hook(tensor, self._grad_hook(module_id, call, slot, name, own))
 
-    def _add_input(self, module_id: int, call: int, tensor: Any) -> None:
+    def _add_input(self, module_id: int, call: int, tensor: Any, block: Block | None = None) -> None:
         buffer = self._buffer
         backend = self.backend
+        tensor = self._local(tensor)
         source = _recorded(buffer.produced, tensor, backend)
         if source is not None:  # another module's output or input: same numbers, no new pass over the tensor
-            self._append(pb.INPUT, module_id, call, 0, buffer.dtype[source], buffer.shapes[source], buffer.stats[source])
+            index = self._append(pb.INPUT, module_id, call, 0, buffer.dtype[source], buffer.shapes[source],
+                                 buffer.stats[source])
+            if block is not None and index is not None:
+                buffer.placements[index] = block
             return
         dtype, shape = backend.describe(tensor)
         stats = self._statistics((pb.INPUT, module_id, call, 0), tensor, _nbytes_of(dtype, shape))
         index = self._append(pb.INPUT, module_id, call, 0, DTYPE_TO_WIRE[dtype], shape, stats)
         if index is not None:
             buffer.produced[backend.identity(tensor)] = (tensor, backend.inplace_version(tensor), index)
+            if block is not None:
+                buffer.placements[index] = block
 
-    def _grad_hook(self, module_id: int, call: int, slot: int, name: str) -> Callable[[Any], None]:
+    def _grad_hook(self, module_id: int, call: int, slot: int, name: str,
+                   output: Block | None = None) -> Callable[[Any], None]:
+        """``output``: the tensor-parallel block of the output whose gradient this is (a run with a layout)."""
         def hook(grad: Any) -> None:
             if not self._active:
                 return
             try:
-                self._add(pb.BACKWARD, module_id, call, slot, grad, self._buffer.grads)
+                placer = self._placer
+                if placer is None:
+                    self._add(pb.BACKWARD, module_id, call, slot, grad, self._buffer.grads)
+                else:
+                    local = self._local(grad)
+                    block = placer.output_gradient(output, grad, local)
+                    self._add(pb.BACKWARD, module_id, call, slot, local, self._buffer.grads, block)
             except Exception as error:
                 self._hook_failed(pb.BACKWARD, name, error)
 
         return hook
 
     def _add(
-        self, phase: int, target: int, call: int, slot: int, tensor: Any, seen: dict[int, _Seen] | None = None
+        self, phase: int, target: int, call: int, slot: int, tensor: Any, seen: dict[int, _Seen] | None = None,
+        block: Block | None = None,
     ) -> int | None:
         """Record a tensor; returns its record index (None when the step is full).
 
         ``seen`` maps the tensors already recorded this step: one found there,
-        unchanged since, reuses its statistics instead of a new pass.
+        unchanged since, reuses its statistics instead of a new pass.  ``block``: the
+        record's placement in its logical tensor (None: whole).
         """
         buffer = self._buffer
         if len(buffer.phase) >= MAX_RECORDS_PER_STEP:
             buffer.overflow += 1
             return None
         backend = self.backend
+        plain = self._plain
+        if plain is not None and type(tensor) not in plain:
+            tensor = backend.local_shard(tensor)
         source = _recorded(seen, tensor, backend) if seen else None
         host: HostTensor | None = None
         full = self._full_tensor(phase, target)
@@ -402,14 +475,23 @@ class Recorder:
                 buffer.copied[index] = host
         if seen is not None and source is None:
             seen[backend.identity(tensor)] = (tensor, backend.inplace_version(tensor), index)
+        if block is not None:
+            buffer.placements[index] = block
         sketcher = self._sketcher
         if sketcher is not None and dtype in _FLOATS and (self.config.sketch or self._zoomed(phase, target)[1]):
-            if source is not None and source in buffer.sketches:
+            if source is not None and source in buffer.sketches and buffer.placements.get(source) == block:
                 buffer.sketches[index] = buffer.sketches[source]
             elif math.prod(shape) > sketcher.spec.buckets:
                 transpose = phase in (pb.GRAD, pb.PARAM) and target in self._transposed
-                buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose)
-                buffer.cost.bytes_read += _nbytes_of(dtype, shape)
+                keyed = block.sketch_block if block is not None else None
+                if keyed is None:
+                    buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose)
+                    buffer.cost.bytes_read += _nbytes_of(dtype, shape)
+                elif self._sketch_blocks:  # keyed by the element's index in the logical tensor: shards add up
+                    buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose, block=keyed)
+                    buffer.cost.bytes_read += _nbytes_of(dtype, shape)
+                # TODO: a sketcher without ``block`` (the framework's sketch.py before keying by the logical
+                # tensor's index) cannot sketch a block so that the shards add up: such records go unsketched.
         return index
 
     def _statistics(self, key: _Key, tensor: Any, nbytes: int) -> Any:
@@ -534,6 +616,7 @@ class Recorder:
             self._pool = HostBufferPool(self.backend.allocate_host, max_free_bytes=self._host_pool_bytes)
         if zoom.wants_sketches and self._sketcher is None:
             self._sketcher = self.backend.make_sketcher(SketchSpec())
+            self._sketch_blocks = _sketches_blocks(self._sketcher)
 
     def _zoomed(self, phase: int, target: int) -> tuple[bool, bool]:
         """(full tensor, sketch) a zoom asks for this record's module (a parameter's: its owner)."""
@@ -571,6 +654,8 @@ class Recorder:
     def _attach_hooks(self) -> None:
         if self._handles or self._removed:
             return
+        if self._batch_hook is not None:
+            self._handles.append(self.backend.add_input_hook(*self._batch_hook))
         for module, hook in self._hooked:
             self._handles.append(self.backend.add_output_hook(module, hook))
 
@@ -592,25 +677,29 @@ class Recorder:
         """Add loss, gradients and parameters; return the step and start a new one."""
         backend = self.backend
         # Each record on its own: one that cannot be read is counted, the rest of the step still goes out.
+        placer = self._placer
         if loss is not None:
             try:
                 loss_tensor = backend.loss_tensor(loss)
                 if loss_tensor is not None:
-                    self._add(pb.LOSS, 0, 0, 0, loss_tensor)
+                    local = self._local(loss_tensor)
+                    self._add(pb.LOSS, 0, 0, 0, local, None, placer.loss(local) if placer is not None else None)
             except Exception as error:
                 self._hook_failed(pb.LOSS, "", error)
         for pid, name, param in reversed(self.parameters):  # the order backward produces them
             try:
                 grad = backend.grad(param)
                 if grad is not None:
-                    self._add(pb.GRAD, pid, 0, 0, grad)
+                    self._add_parameter(pb.GRAD, pid, name, grad, param)
             except Exception as error:
                 self._hook_failed(pb.GRAD, name, error)
         for pid, name, param in self.parameters:
             try:
-                self._add(pb.PARAM, pid, 0, 0, param)
+                self._add_parameter(pb.PARAM, pid, name, param)
             except Exception as error:
                 self._hook_failed(pb.PARAM, name, error)
+        if placer is not None:
+            placer.new_step()
         self._settle(step, self._buffer)
         buffer, self._buffer = self._buffer, _StepBuffer()
         error, self._step_error = self._step_error, None
@@ -645,8 +734,17 @@ class Recorder:
             copies_ready=backend.host_copies_fence() if buffer.tensors else None,
             incomplete=tuple(sorted(incomplete)),
             cost=buffer.cost,
+            placements=sorted((int(position[i]), block) for i, block in buffer.placements.items()),
             **self._sketch_columns(buffer, position),
         )
+
+    def _add_parameter(self, phase: int, pid: int, name: str, tensor: Any, param: Any = None) -> None:
+        placer = self._placer
+        if placer is None:
+            self._add(phase, pid, 0, 0, tensor)
+            return
+        local = self._local(tensor)
+        self._add(phase, pid, 0, 0, local, None, placer.parameter(phase, pid, name, tensor, local, param))
 
     def _settle(self, step: int, buffer: _StepBuffer) -> None:
         """Wait for the step's offloaded statistics, check what changed in place, and drop what cannot be trusted.
@@ -698,6 +796,7 @@ class Recorder:
         buffer.tensors = tensors
         buffer.copied = {}
         buffer.sketches = {int(new_index[i]): h for i, h in buffer.sketches.items() if keep[i]}
+        buffer.placements = {int(new_index[i]): b for i, b in buffer.placements.items() if keep[i]}
 
     def _target_name(self, phase: int, target: int) -> str:
         if phase in (pb.GRAD, pb.PARAM):
@@ -733,6 +832,8 @@ class Recorder:
         for task in self._buffer.tasks:
             task.cancelled = True
         self._buffer = _StepBuffer()
+        if self._placer is not None:
+            self._placer.new_step()
         self._step_error = None
         self._step_incomplete = set()
 
@@ -745,6 +846,18 @@ class Recorder:
             task.cancelled = True
         if self._offload is not None:
             self._offload.close()
+
+
+def _sketches_blocks(sketcher: Any) -> bool:
+    """Whether ``sketcher.sketch`` takes ``block=`` (keys a shard's sketch by the logical tensor's indices)."""
+    if sketcher is None:
+        return False
+    import inspect
+
+    try:
+        return "block" in inspect.signature(sketcher.sketch).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _renumbered(host: HostTensor, position: np.ndarray) -> HostTensor:

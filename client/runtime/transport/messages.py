@@ -66,6 +66,8 @@ def step_message(batch: StepBatch, rank: int, dropped: dict[str, int], tensor_pi
     )
     if batch.ops:
         message.ops.ParseFromString(batch.ops)
+    if batch.placements:  # a parallel layout's records that are not whole (twinstep.runtime.capture.placement)
+        message.placements.extend(block.to_proto(record) for record, block in batch.placements)
     if batch.sketch_records is not None and len(batch.sketch_records):
         buckets, seed = batch.sketch_spec
         message.sketches.CopyFrom(pb.Sketches(buckets=buckets, seed=seed, record=batch.sketch_records.tolist(),

@@ -63,7 +63,7 @@ ZSTD: Codec
 QUANT_ZSTD: Codec
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings", "every", "include", "exclude", "start_step", "share_weights", "weight_sync")
+    __slots__ = ("protocol_version", "session", "run", "baseline", "framework", "framework_version", "rank", "world_size", "host", "pid", "client_version", "capture", "max_lead", "reference", "precision", "environment", "warnings", "every", "include", "exclude", "start_step", "share_weights", "weight_sync", "layout")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Hello(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     SHARE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     run: str
@@ -117,7 +118,58 @@ class Hello(_message.Message):
     start_step: int
     share_weights: bool
     weight_sync: WeightSync
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., every: _Optional[int] = ..., include: _Optional[_Iterable[str]] = ..., exclude: _Optional[_Iterable[str]] = ..., start_step: _Optional[int] = ..., share_weights: _Optional[bool] = ..., weight_sync: _Optional[_Union[WeightSync, _Mapping]] = ...) -> None: ...
+    layout: MeshPlace
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., run: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ..., capture: _Optional[str] = ..., max_lead: _Optional[int] = ..., reference: _Optional[bool] = ..., precision: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., every: _Optional[int] = ..., include: _Optional[_Iterable[str]] = ..., exclude: _Optional[_Iterable[str]] = ..., start_step: _Optional[int] = ..., share_weights: _Optional[bool] = ..., weight_sync: _Optional[_Union[WeightSync, _Mapping]] = ..., layout: _Optional[_Union[MeshPlace, _Mapping]] = ...) -> None: ...
+
+class MeshPlace(_message.Message):
+    __slots__ = ("data_rank", "data_size", "tensor_rank", "tensor_size", "pipeline_rank", "pipeline_size", "context_rank", "context_size", "expert_rank", "expert_size", "source")
+    DATA_RANK_FIELD_NUMBER: _ClassVar[int]
+    DATA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_RANK_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_RANK_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    data_rank: int
+    data_size: int
+    tensor_rank: int
+    tensor_size: int
+    pipeline_rank: int
+    pipeline_size: int
+    context_rank: int
+    context_size: int
+    expert_rank: int
+    expert_size: int
+    source: str
+    def __init__(self, data_rank: _Optional[int] = ..., data_size: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., tensor_size: _Optional[int] = ..., pipeline_rank: _Optional[int] = ..., pipeline_size: _Optional[int] = ..., context_rank: _Optional[int] = ..., context_size: _Optional[int] = ..., expert_rank: _Optional[int] = ..., expert_size: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("record", "kind", "global_shape", "offset", "scale", "split_by")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BLOCK: _ClassVar[Placement.Kind]
+        PARTIAL: _ClassVar[Placement.Kind]
+        MEAN: _ClassVar[Placement.Kind]
+    BLOCK: Placement.Kind
+    PARTIAL: Placement.Kind
+    MEAN: Placement.Kind
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_BY_FIELD_NUMBER: _ClassVar[int]
+    record: int
+    kind: Placement.Kind
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    scale: float
+    split_by: str
+    def __init__(self, record: _Optional[int] = ..., kind: _Optional[_Union[Placement.Kind, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., split_by: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("id", "name", "type")
@@ -188,7 +240,7 @@ class Sketches(_message.Message):
     def __init__(self, buckets: _Optional[int] = ..., seed: _Optional[int] = ..., record: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class StepRecords(_message.Message):
-    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost", "record_names", "ops")
+    __slots__ = ("rank", "step", "phase", "target", "call_index", "slot", "dtype", "ndim", "dims", "stats", "dropped", "sketches", "tensor_pieces", "incomplete", "cost", "record_names", "ops", "placements")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +265,7 @@ class StepRecords(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     RECORD_NAMES_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     phase: _containers.RepeatedScalarFieldContainer[Phase]
@@ -230,7 +283,8 @@ class StepRecords(_message.Message):
     cost: CaptureCost
     record_names: _containers.RepeatedScalarFieldContainer[str]
     ops: OpTrace
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., record_names: _Optional[_Iterable[str]] = ..., ops: _Optional[_Union[OpTrace, _Mapping]] = ...) -> None: ...
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Iterable[_Union[Phase, str]]] = ..., target: _Optional[_Iterable[int]] = ..., call_index: _Optional[_Iterable[int]] = ..., slot: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Iterable[_Union[DType, str]]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[Statistics, _Mapping]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., sketches: _Optional[_Union[Sketches, _Mapping]] = ..., tensor_pieces: _Optional[int] = ..., incomplete: _Optional[_Iterable[_Union[Phase, str]]] = ..., cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., record_names: _Optional[_Iterable[str]] = ..., ops: _Optional[_Union[OpTrace, _Mapping]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
 
 class OpTensor(_message.Message):
     __slots__ = ("dtype", "shape", "stats", "values")
@@ -598,7 +652,7 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent", "capture_cost", "weight_sync")
+    __slots__ = ("name", "baseline", "framework", "ranks", "last_step", "state", "dropped", "health", "environment", "warnings", "dropped_by_reason", "first_step", "reference", "records_received", "steps_resent", "capture_cost", "weight_sync", "layout", "layout_text")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -630,6 +684,8 @@ class RunStatus(_message.Message):
     STEPS_RESENT_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_COST_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_TEXT_FIELD_NUMBER: _ClassVar[int]
     name: str
     baseline: bool
     framework: str
@@ -647,7 +703,9 @@ class RunStatus(_message.Message):
     steps_resent: int
     capture_cost: CaptureCost
     weight_sync: WeightSync
-    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ..., capture_cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., weight_sync: _Optional[_Union[WeightSync, _Mapping]] = ...) -> None: ...
+    layout: MeshPlace
+    layout_text: str
+    def __init__(self, name: _Optional[str] = ..., baseline: _Optional[bool] = ..., framework: _Optional[str] = ..., ranks: _Optional[int] = ..., last_step: _Optional[int] = ..., state: _Optional[str] = ..., dropped: _Optional[int] = ..., health: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., environment: _Optional[_Mapping[str, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., first_step: _Optional[int] = ..., reference: _Optional[bool] = ..., records_received: _Optional[int] = ..., steps_resent: _Optional[int] = ..., capture_cost: _Optional[_Union[CaptureCost, _Mapping]] = ..., weight_sync: _Optional[_Union[WeightSync, _Mapping]] = ..., layout: _Optional[_Union[MeshPlace, _Mapping]] = ..., layout_text: _Optional[str] = ...) -> None: ...
 
 class RankHealth(_message.Message):
     __slots__ = ("rank", "capture")
@@ -658,7 +716,7 @@ class RankHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., capture: _Optional[_Union[CaptureHealth, _Mapping]] = ...) -> None: ...
 
 class Divergence(_message.Message):
-    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary", "origin", "crossed", "path", "explained_by")
+    __slots__ = ("step", "rank", "phase", "module", "candidate_module", "metric", "value", "tolerance", "candidate_run", "stage", "gaps_before", "after_gap", "gaps_summary", "origin", "crossed", "path", "explained_by", "merged_from")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -676,6 +734,7 @@ class Divergence(_message.Message):
     CROSSED_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     EXPLAINED_BY_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FROM_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     phase: str
@@ -693,7 +752,8 @@ class Divergence(_message.Message):
     crossed: ToleranceCrossing
     path: _containers.RepeatedCompositeFieldContainer[PathStep]
     explained_by: _containers.RepeatedCompositeFieldContainer[ExplainedFinding]
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ..., origin: _Optional[_Union[OriginEvidence, _Mapping]] = ..., crossed: _Optional[_Union[ToleranceCrossing, _Mapping]] = ..., path: _Optional[_Iterable[_Union[PathStep, _Mapping]]] = ..., explained_by: _Optional[_Iterable[_Union[ExplainedFinding, _Mapping]]] = ...) -> None: ...
+    merged_from: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., phase: _Optional[str] = ..., module: _Optional[str] = ..., candidate_module: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., tolerance: _Optional[float] = ..., candidate_run: _Optional[str] = ..., stage: _Optional[str] = ..., gaps_before: _Optional[_Iterable[_Union[Gap, _Mapping]]] = ..., after_gap: _Optional[bool] = ..., gaps_summary: _Optional[str] = ..., origin: _Optional[_Union[OriginEvidence, _Mapping]] = ..., crossed: _Optional[_Union[ToleranceCrossing, _Mapping]] = ..., path: _Optional[_Iterable[_Union[PathStep, _Mapping]]] = ..., explained_by: _Optional[_Iterable[_Union[ExplainedFinding, _Mapping]]] = ..., merged_from: _Optional[str] = ...) -> None: ...
 
 class PathStep(_message.Message):
     __slots__ = ("step", "phase", "module", "metric", "error", "input_error", "note")
@@ -954,7 +1014,7 @@ class LongRun(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., steps: _Optional[int] = ..., window: _Optional[int] = ..., first_loss_abs: _Optional[float] = ..., first_loss_rel: _Optional[float] = ..., loss_mean_abs: _Optional[float] = ..., loss_mean_rel: _Optional[float] = ..., loss_mean_signed: _Optional[float] = ..., grad_norm_mean_rel: _Optional[float] = ..., reference_loss_mean_abs: _Optional[float] = ..., reference_grad_norm_mean_rel: _Optional[float] = ..., verdicts: _Optional[_Iterable[str]] = ..., coverage: _Optional[str] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage", "records", "batch_sync", "zooms", "tensor_steps", "preflight", "operations", "candidates")
+    __slots__ = ("session", "status", "halted", "runs", "steps_compared", "first_divergence", "stage", "tree", "unmatched_baseline", "unmatched_candidate", "errors", "long_run", "culprit", "proposed_mapping", "headroom", "status_reasons", "coverage", "records", "batch_sync", "zooms", "tensor_steps", "preflight", "operations", "candidates", "layout_mode", "layout_summary", "layout_differences", "replica_mismatches")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
@@ -979,6 +1039,10 @@ class Report(_message.Message):
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     OPERATIONS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_MODE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     session: str
     status: str
     halted: bool
@@ -1003,7 +1067,51 @@ class Report(_message.Message):
     preflight: _containers.RepeatedCompositeFieldContainer[PreflightFinding]
     operations: _containers.RepeatedCompositeFieldContainer[OperationFinding]
     candidates: _containers.RepeatedCompositeFieldContainer[CandidateReport]
-    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[NamedRecord, _Mapping]]] = ..., batch_sync: _Optional[_Union[BatchSync, _Mapping]] = ..., zooms: _Optional[_Iterable[_Union[ZoomWindow, _Mapping]]] = ..., tensor_steps: _Optional[_Iterable[_Union[TensorSteps, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[PreflightFinding, _Mapping]]] = ..., operations: _Optional[_Iterable[_Union[OperationFinding, _Mapping]]] = ..., candidates: _Optional[_Iterable[_Union[CandidateReport, _Mapping]]] = ...) -> None: ...
+    layout_mode: str
+    layout_summary: str
+    layout_differences: _containers.RepeatedCompositeFieldContainer[LayoutDifference]
+    replica_mismatches: _containers.RepeatedCompositeFieldContainer[ReplicaMismatch]
+    def __init__(self, session: _Optional[str] = ..., status: _Optional[str] = ..., halted: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., steps_compared: _Optional[int] = ..., first_divergence: _Optional[_Union[Divergence, _Mapping]] = ..., stage: _Optional[str] = ..., tree: _Optional[_Iterable[_Union[ModuleRow, _Mapping]]] = ..., unmatched_baseline: _Optional[_Iterable[str]] = ..., unmatched_candidate: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ..., long_run: _Optional[_Iterable[_Union[LongRun, _Mapping]]] = ..., culprit: _Optional[str] = ..., proposed_mapping: _Optional[str] = ..., headroom: _Optional[_Iterable[_Union[Headroom, _Mapping]]] = ..., status_reasons: _Optional[_Iterable[str]] = ..., coverage: _Optional[_Iterable[_Union[Coverage, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[NamedRecord, _Mapping]]] = ..., batch_sync: _Optional[_Union[BatchSync, _Mapping]] = ..., zooms: _Optional[_Iterable[_Union[ZoomWindow, _Mapping]]] = ..., tensor_steps: _Optional[_Iterable[_Union[TensorSteps, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[PreflightFinding, _Mapping]]] = ..., operations: _Optional[_Iterable[_Union[OperationFinding, _Mapping]]] = ..., candidates: _Optional[_Iterable[_Union[CandidateReport, _Mapping]]] = ..., layout_mode: _Optional[str] = ..., layout_summary: _Optional[str] = ..., layout_differences: _Optional[_Iterable[_Union[LayoutDifference, _Mapping]]] = ..., replica_mismatches: _Optional[_Iterable[_Union[ReplicaMismatch, _Mapping]]] = ...) -> None: ...
+
+class LayoutDifference(_message.Message):
+    __slots__ = ("run", "phase", "name", "reason", "first_step", "steps")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    phase: str
+    name: str
+    reason: str
+    first_step: int
+    steps: int
+    def __init__(self, run: _Optional[str] = ..., phase: _Optional[str] = ..., name: _Optional[str] = ..., reason: _Optional[str] = ..., first_step: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class ReplicaMismatch(_message.Message):
+    __slots__ = ("run", "step", "phase", "name", "ranks", "agreeing", "statistic", "value", "expected", "text")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    AGREEING_FIELD_NUMBER: _ClassVar[int]
+    STATISTIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    step: int
+    phase: str
+    name: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    agreeing: _containers.RepeatedScalarFieldContainer[int]
+    statistic: str
+    value: float
+    expected: float
+    text: str
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., agreeing: _Optional[_Iterable[int]] = ..., statistic: _Optional[str] = ..., value: _Optional[float] = ..., expected: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
 
 class CandidateReport(_message.Message):
     __slots__ = ("candidate_run", "framework", "status", "status_reasons", "halted", "steps_compared", "first_divergence", "stage", "culprit", "tree", "tree_step", "coverage")

@@ -204,7 +204,7 @@
         el("td", {text: p.role}),
         el("td", {text: p.framework}),
         el("td", {}, [el("span", {className: "badge " + p.state, text: p.state})]),
-        el("td", {className: "num", text: String(p.ranks)}),
+        el("td", {className: "num", text: p.layout || String(p.ranks)}),
         el("td", {className: "num step", text: p.last_step < 0 ? "no step yet" : String(p.last_step)}),
         el("td", {className: "num", text: p.steps_per_second === null ? "–" : fmt(p.steps_per_second, 3)}),
         el("td", {className: "num behind", text: p.steps_behind === null ? "–" : String(p.steps_behind)}),
@@ -212,13 +212,25 @@
         el("td", {className: p.capture_ok ? "ok" : "bad", text: p.capture_summary}),
       ]);
     });
+    var layouts = view.report.layouts || {};
+    var notes = [];
+    if (layouts.mode === "logical" || (layouts.differences || []).length) {
+      notes.push(el("p", {className: "message", id: "layout-summary", text: "Lined up: " + layouts.summary}));
+    }
+    (layouts.replica_mismatches || []).slice(0, 5).forEach(function (m) {
+      notes.push(el("p", {className: "message bad replica", text: m.text}));
+    });
+    if ((layouts.differences || []).length) {
+      notes.push(el("p", {className: "message", text: layouts.differences.length + " record(s) not compared because the layouts differ (layout differences, not divergences): " +
+        layouts.differences.slice(0, 5).map(function (d) { return d.phase + " of " + d.name; }).join(", ") + (layouts.differences.length > 5 ? ", ..." : "")}));
+    }
     return el("section", {className: "panel grow", id: "runs"}, [
       el("h2", {text: "Runs"}),
       el("table", {className: "grid"}, [
-        el("thead", {}, [el("tr", {}, ["run", "role", "framework", "state", "ranks", "step", "steps/s", "steps behind", "dropped", "capture"].map(function (h) { return el("th", {text: h}); }))]),
+        el("thead", {}, [el("tr", {}, ["run", "role", "framework", "state", "ranks / layout", "step", "steps/s", "steps behind", "dropped", "capture"].map(function (h) { return el("th", {text: h}); }))]),
         el("tbody", {}, rows),
       ]),
-    ]);
+    ].concat(notes));
   }
 
   function haltPanel() {

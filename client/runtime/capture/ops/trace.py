@@ -110,6 +110,8 @@ class OpTraceBuilder:
 
     def _describe(self, message: pb.OpTensor, tensor: Any) -> pb.OpTensor:
         """Fill ``message`` (kept: its statistics are written at finish) with what is known of ``tensor`` now."""
+        if self.backend.has_shards and type(tensor) not in self.backend.plain_types:
+            tensor = self.backend.local_shard(tensor)  # a DTensor: this rank's shard
         dtype, shape = self.backend.describe(tensor)
         message.dtype = DTYPE_TO_WIRE[dtype]
         message.shape.extend(shape)

@@ -14,6 +14,7 @@ import paddle
 from twinstep.wire import stats
 from twinstep.runtime.capture.base import CallInputs, CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.runtime.capture.buffers import HostBufferPool, pooled_copy
+from twinstep.runtime.capture.paddle import layout as _layout
 from twinstep.runtime.capture.paddle.sketch import PaddleSketcher
 from twinstep.wire.sketch import SketchSpec
 
@@ -238,6 +239,20 @@ class PaddleBackend(CaptureBackend):
         if loss is None or isinstance(loss, paddle.Tensor):
             return loss
         return paddle.to_tensor(float(loss), dtype="float64")
+
+    # -- parallel layouts (twinstep.runtime.capture.paddle.layout) ----------------------------------
+
+    def module_split(self, module: paddle.nn.Layer, layout: Any) -> Any:
+        return _layout.module_split(module, layout)
+
+    def parameter_split(self, parameter: paddle.Tensor, layout: Any) -> Any:
+        return _layout.parameter_split(parameter, layout)
+
+    def has_parameters(self, module: paddle.nn.Layer) -> bool:
+        return bool(module.parameters())
+
+    def detect_layout(self, model: paddle.nn.Layer) -> Any:
+        return _layout.detect(model)
 
 
 def _keywords_through_pre_hook(module: paddle.nn.Layer, hook: Callable[[Any, Any, Any], None],

@@ -9,6 +9,21 @@ the few leftover elements land through a 1-D scatter-add (``_scatter_add``).
 Tables come from ``twinstep.wire.sketch`` in numpy and are uploaded once per
 (place, element count, offset).
 
+A shard (``block=(global_shape, offsets)``) is keyed by its elements' indices
+in the logical tensor.  One that is a contiguous range of the canonical order
+(a dim-0 shard, leading dims of one element) is the ``offset`` path above.
+Any other block (a last-dim shard, a transposed [in, out] shard split on
+``in``) goes element by element: each element is added into float32 cells
+(~64 per cell, like the bags) by one scatter-add, then the cells add up in
+float64.  The element-to-cell table (int32: 4 bytes of device memory per
+element, 16 MiB for a 4096x1024 shard, built on the host once, ~0.2-0.8 s per
+4M elements) is cached per (place, geometry) within ``max_table_bytes`` (LRU,
+with the offset plans); a block of more than ``max_table_elements`` (16M) or
+whose table would not fit the budget is hashed on the device at every call
+instead (~35 int64 operations per element: no table, no host work; slow on a
+CPU, ~100 ns per element, 40-100x the table path; on an accelerator ~35
+elementwise kernels per 1M elements, not measured here).
+
 Precision: float16/bfloat16 are widened to float32 and integers to float64
 first (a copy); a bag sums ~30 float32 blocks before the float64 sum (bucket
 error ~1e-7 relative).  A transposed tensor is copied to canonical order
@@ -18,6 +33,7 @@ leaves such buckets out (``twinstep.server.compare.sketch``).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -25,7 +41,7 @@ import numpy as np
 import paddle
 
 from twinstep.wire import sketch as _sketch
-from twinstep.wire.sketch import SketchSpec
+from twinstep.wire.sketch import Block, SketchSpec
 
 _WIDEN = ("float16", "bfloat16")
 _FLOATS = ("float32", "float64")
@@ -43,30 +59,55 @@ class _Tables(NamedTuple):
     owned: int  # device bytes this entry holds (a slice of the shared direct table: 0)
 
 
-class PaddleSketcher:
-    """Sketches paddle tensors with device tables cached per (place, numel, offset).
+class _Elements(NamedTuple):
+    """Device side of ``twinstep.wire.sketch.block_cells``: a block that is not one contiguous range."""
 
-    ``max_plans`` bounds the cache, so dynamic shapes (a growing sequence
-    length) cannot grow it without limit; an evicted plan is rebuilt on the host.
+    cells: paddle.Tensor  # int32 cell of every element, canonical local order
+    owned: int  # device bytes: 4 per element
+
+
+#: Small int64 constants of the hashed path kept per place (uploaded once; cleared beyond this many).
+_MAX_CONSTANTS = 4096
+
+
+class PaddleSketcher:
+    """Sketches paddle tensors with device tables cached per (place, numel, offset) or (place, block).
+
+    ``max_plans`` and ``max_table_bytes`` bound the cache (least recently used
+    first), so dynamic shapes (a growing sequence length, shards at many
+    offsets) cannot grow it without limit; an evicted table is rebuilt on the
+    host.  Blocks above ``max_table_elements`` (or a quarter of
+    ``max_table_bytes``) are hashed on the device at every call, uncached.
     """
 
     framework = "paddle"
 
-    def __init__(self, spec: SketchSpec = SketchSpec(), max_plans: int = 256) -> None:
+    def __init__(self, spec: SketchSpec = SketchSpec(), max_plans: int = 256, max_table_bytes: int = 512 << 20,
+                 max_table_elements: int = _sketch.ELEMENT_TABLE_MAX) -> None:
         self.spec = spec
         self._max_plans = max_plans
-        self._plans: OrderedDict[tuple[str, int, int], _Tables] = OrderedDict()
+        self._max_bytes = max_table_bytes
+        self._max_elements = min(max_table_elements, max_table_bytes // 4)
+        self._plans: OrderedDict[tuple, _Tables | _Elements] = OrderedDict()
+        self._owned = 0
+        self._constants: dict[tuple[str, int], paddle.Tensor] = {}
+        self._pattern_ints: dict[str, paddle.Tensor] = {}
         self._shared: dict[str, tuple[paddle.Tensor, paddle.Tensor]] = {}
         self._patterns: dict[tuple[str, str], paddle.Tensor] = {}
         self._sign_vectors: dict[str, paddle.Tensor] = {}
 
-    def sketch(self, tensor: paddle.Tensor, transpose: bool = False, offset: int = 0) -> paddle.Tensor:
+    def sketch(self, tensor: paddle.Tensor, transpose: bool = False, offset: int = 0,
+               block: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> paddle.Tensor:
         """float64 [buckets] sketch on ``tensor``'s place (hot: no host sync).
 
         ``transpose``: the tensor is a 2-D matrix stored as the transpose of the
         canonical layout (paddle's [in, out] Linear weight and its gradient); it
         is copied to canonical [out, in] order first.  ``offset``: canonical
-        global index of the first element, for a contiguous shard.
+        global index of the first element, for a contiguous shard.  ``block`` =
+        (global_shape, offsets): the tensor is the block [offsets, offsets + its
+        shape) of a logical tensor of global_shape, both in the stored layout
+        (``twinstep.wire.sketch.block_indices``); exclusive with ``offset``.
+        Shards' sketches add up to the logical tensor's.
         """
         with paddle.no_grad():
             x = tensor.detach()
@@ -74,12 +115,15 @@ class PaddleSketcher:
                 if x.ndim != 2:
                     raise ValueError(f"transpose needs a 2-D tensor, got shape {list(x.shape)}")
                 x = paddle.transpose(x, [1, 0])
+            offset, geometry = _sketch.shard_geometry(tuple(tensor.shape), transpose, offset, block)
             name = str(x.dtype).rsplit(".", 1)[-1]
             if name in _WIDEN:
                 x = x.astype("float32")
             elif name not in _FLOATS:
                 x = x.astype("float64")
             flat = x.reshape([-1])
+            if geometry is not None:
+                return self._sketch_elements(flat, geometry)
             n = int(flat.shape[0])
             place = flat.place
             plan = self._tables(place, n, offset)
@@ -97,6 +141,69 @@ class PaddleSketcher:
             if bins is None:
                 return _zeros(flat, [self.spec.buckets], "float64")
             return paddle.matmul(bins.reshape([-1, 2]), self._signs(place))
+
+    def _sketch_elements(self, flat: paddle.Tensor, block: Block) -> paddle.Tensor:
+        """float64 [buckets]: a block that is not one contiguous range, element by element into cells."""
+        spec, place = self.spec, flat.place
+        width = 2 * spec.buckets
+        size = -(-block.numel // spec.cell_elements) * width
+        table = self._element_table(place, block)
+        if table is not None:
+            cells = _scatter_add(None, table.cells, flat, size)
+        else:
+            cells = None
+            const = functools.partial(self._constant, place)
+            negative = self._pattern_int(place)
+            band = _sketch.CHUNK_ELEMENTS
+            for start in range(0, block.numel, band):
+                stop = min(block.numel, start + band)
+                local = _arange(start, stop, flat)
+                index = _sketch.hashed_folded_index(_sketch.block_global_index(local, block, const), spec, const,
+                                                    functools.partial(paddle.gather, negative))
+                index = index + (local // const(spec.cell_elements)) * const(width)
+                cells = _scatter_add(cells, index, flat[start:stop], size)
+        bins = cells.reshape([-1, width]).astype("float64").sum(axis=0)
+        return paddle.matmul(bins.reshape([-1, 2]), self._signs(place))
+
+    def _element_table(self, place: Any, block: Block) -> _Elements | None:
+        """The block's cached cell table; None above the size limit (hash on the device)."""
+        if block.numel > self._max_elements:
+            return None
+        key = (str(place), block)
+        found = self._plans.get(key)
+        if found is not None:
+            self._plans.move_to_end(key)
+            return found
+        cells = _upload(_sketch.block_cells(block, self.spec), place)
+        return self._store(key, _Elements(cells, 4 * block.numel))
+
+    def _store(self, key: tuple, entry: _Tables | _Elements) -> _Tables | _Elements:
+        """Cache an entry; evict the least recently used ones beyond ``max_plans`` or ``max_table_bytes``."""
+        self._plans[key] = entry
+        self._owned += entry.owned
+        while len(self._plans) > self._max_plans or (self._owned > self._max_bytes and len(self._plans) > 1):
+            _, evicted = self._plans.popitem(last=False)
+            self._owned -= evicted.owned
+        return entry
+
+    def _constant(self, place: Any, value: int) -> paddle.Tensor:
+        """An int64 [1] tensor on ``place``, uploaded once: paddle's bitwise operators take no Python
+        ints, and its arithmetic with a Python scalar may round an int64 beyond 2**53."""
+        key = (str(place), value)
+        found = self._constants.get(key)
+        if found is None:
+            if len(self._constants) >= _MAX_CONSTANTS:
+                self._constants.clear()
+            found = self._constants[key] = _upload(np.array([value], dtype=np.int64), place)
+        return found
+
+    def _pattern_int(self, place: Any) -> paddle.Tensor:
+        """w < 0 as int64 0/1 on ``place``: the in-block sign of the hashed path."""
+        key = str(place)
+        found = self._pattern_ints.get(key)
+        if found is None:
+            found = self._pattern_ints[key] = _upload(_sketch.pattern_negative(self.spec).astype(np.int64), place)
+        return found
 
     def _bags(self, flat: paddle.Tensor, plan: _Tables) -> paddle.Tensor:
         """float64 [2*buckets*L]: the bag sums of all chunks of the blocked part."""
@@ -126,6 +233,7 @@ class PaddleSketcher:
         """Device bytes held by the cached tables (shared and per plan)."""
         shared = sum(4 * (int(a.shape[0]) + int(b.shape[0])) for a, b in self._shared.values())
         shared += sum(w.size * w.element_size() for w in self._patterns.values())
+        shared += sum(8 * c.size for c in [*self._constants.values(), *self._pattern_ints.values()])
         return shared + sum(t.owned for t in self._plans.values())
 
     def _tables(self, place: Any, numel: int, offset: int) -> _Tables:
@@ -139,10 +247,7 @@ class PaddleSketcher:
         owned = 4 * (plan.bag_of_block.size + (0 if plan.direct_is_prefix else plan.direct.size))
         tables = _Tables(plan.head, plan.tail, plan.blocks, plan.chunks, direct,
                          _upload(plan.bag_of_block, place), owned)
-        self._plans[key] = tables
-        if len(self._plans) > self._max_plans:
-            self._plans.popitem(last=False)  # least recently used
-        return tables
+        return self._store(key, tables)
 
     def _signs(self, place: Any) -> paddle.Tensor:
         """[1, -1]: folded bins [buckets, 2] times this are the sketch."""
@@ -192,6 +297,12 @@ def _zeros(like: paddle.Tensor, shape: list[int], dtype: Any) -> paddle.Tensor:
         return new_zeros(shape, dtype=dtype)
     zeros = paddle.zeros(shape, dtype=dtype)
     return zeros if str(zeros.place) == str(like.place) else zeros._copy_to(like.place, False)
+
+
+def _arange(start: int, stop: int, like: paddle.Tensor) -> paddle.Tensor:
+    """int64 [start, stop) on ``like``'s place."""
+    out = paddle.arange(start, stop, dtype="int64")
+    return out if str(out.place) == str(like.place) else out._copy_to(like.place, False)
 
 
 def _upload(array: np.ndarray, place: Any) -> paddle.Tensor:

@@ -13,6 +13,7 @@ import torch
 from twinstep.wire import stats
 from twinstep.runtime.capture.base import CaptureBackend, RemovableHandle, UnsupportedTensor
 from twinstep.runtime.capture.buffers import HostBufferPool
+from twinstep.runtime.capture.torch import layout as _layout
 from twinstep.runtime.capture.torch.sketch import TorchSketcher
 from twinstep.wire.sketch import SketchSpec
 
@@ -44,6 +45,12 @@ class TorchBackend(CaptureBackend):
     framework = "torch"
     tensor_type = torch.Tensor
     _copies_in_flight = False  # a non-blocking device-to-host copy since the last fence
+    # DTensors (and the asynchronous results of torch's collectives) are read through their local shard.
+    has_shards = True
+    plain_types = frozenset({torch.Tensor, torch.nn.Parameter})
+
+    def __init__(self) -> None:
+        self._layouts = _layout.TorchLayouts()
 
     def framework_version(self) -> str:
         return torch.__version__
@@ -191,7 +198,7 @@ class TorchBackend(CaptureBackend):
 
     def to_numpy(self, tensor: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
-            t = tensor.detach()
+            t = self.local_shard(tensor).detach()
             return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy().copy()
 
     def from_numpy(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -214,6 +221,26 @@ class TorchBackend(CaptureBackend):
         if loss is None or isinstance(loss, torch.Tensor):
             return loss
         return torch.tensor(float(loss), dtype=torch.float64)
+
+    # -- parallel layouts (twinstep.runtime.capture.torch.layout) -----------------------------------
+
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _layout.local_shard(tensor)
+
+    def tensor_placement(self, tensor: torch.Tensor) -> Any:
+        return self._layouts.tensor_placement(tensor)
+
+    def module_split(self, module: torch.nn.Module, layout: Any) -> Any:
+        return self._layouts.module_split(module, layout)
+
+    def parameter_split(self, parameter: torch.Tensor, layout: Any) -> Any:
+        return self._layouts.parameter_split(parameter, layout)
+
+    def has_parameters(self, module: torch.nn.Module) -> bool:
+        return next(module.parameters(), None) is not None
+
+    def detect_layout(self, model: torch.nn.Module) -> Any:
+        return self._layouts.detect(model)
 
 
 def _collect(value: Any, found: list[torch.Tensor]) -> None:
