@@ -254,8 +254,8 @@ class LiveView:
         parts: list = [title]
 
         runs = Table(expand=False, box=None, pad_edge=False, header_style="bold")
-        for column in ("run", "role", "layout", "state", "step", "steps/s", STEPS_BEHIND, "dropped", "capture failures"):
-            runs.add_column(column, justify="left" if column in ("run", "role", "layout", "state") else "right")
+        for column in ("run", "role", "state", "step", "steps/s", STEPS_BEHIND, "dropped", "capture failures", "layout"):
+            runs.add_column(column, justify="left" if column in ("run", "role", "state", "layout") else "right")
         behind = steps_behind([r.last_step for r in self.progress.runs])
         for r, lag in zip(self.progress.runs, behind):
             role = "baseline" if r.baseline else "reference" if r.reference else "candidate"
@@ -263,11 +263,11 @@ class LiveView:
             state_style = {"streaming": "green", "finished": "", "halted": "red", "lost": "bold red"}.get(r.state, "")
             dropped = ", ".join(f"{n} {why}" for why, n in sorted(r.dropped_by_reason.items())) or str(r.dropped)
             failures = capture_failures(r)
-            runs.add_row(r.name, role, r.layout_text or f"{r.ranks} rank(s)", Text(r.state, style=state_style),
+            runs.add_row(r.name, role, Text(r.state, style=state_style),
                          str(r.last_step) if r.last_step >= 0 else step_words(r.last_step),
                          "-" if rate is None else f"{rate:.1f}", "-" if lag is None else str(lag),
                          Text(dropped, style="yellow" if r.dropped else ""),
-                         Text(str(failures), style="yellow" if failures else ""))
+                         Text(str(failures), style="yellow" if failures else ""), r.layout_text or f"{r.ranks} rank(s)")
         parts.append(Panel(runs, title="runs", title_align="left"))
 
         if self.progress.stages:

@@ -19,6 +19,9 @@ AUTO = "auto"
 MODES = (AUTO, RANKS, LOGICAL)
 
 
+_SOURCES = {"world": "inferred from the process group, no data-parallel wrapper seen"}
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """One run's layout: its sizes along each kind of parallelism and its rank count."""
@@ -46,8 +49,18 @@ class RunLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """What two runs must share to be compared rank by rank."""
-        return (self.world_size, self.data, self.tensor, self.pipeline, self.context, self.expert)
+        """What two runs must share to be compared rank by rank: the ranks and how the model is split over
+        them.  The data-parallel size follows (the ranks that hold one model part), and is left out: a run
+        whose data parallelism was declared and one whose was not (each rank its own batch) line up rank by rank."""
+        return (self.world_size, self.tensor, self.pipeline, self.context, self.expert)
+
+    @property
+    def checks_replicas(self) -> bool:
+        """Its replicas are known to synchronise (a wrapper, a mesh, a declaration), so they must agree.
+
+        A layout inferred from the process group alone ("world": no data-parallel wrapper seen) may be
+        ranks that each train on their own, whose gradients legitimately differ."""
+        return bool(self.source) and self.source != "world" and (self.data > 1 or self.tensor > 1)
 
     @property
     def unsupported(self) -> str:
@@ -64,7 +77,7 @@ class RunLayout:
         parts += [f"{k}={n}" for k, n in (("CP", self.context), ("EP", self.expert)) if n > 1]
         product = self.data * self.tensor * self.pipeline * self.context
         note = "" if product == self.world_size else f"; the sizes multiply to {product}"
-        source = f", {self.source}" if self.source else ""
+        source = f", {_SOURCES.get(self.source, self.source)}" if self.source else ""
         return f"{' x '.join(parts)}, {ranks}{source}{note}"
 
     def to_proto(self) -> pb.MeshPlace:

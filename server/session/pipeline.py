@@ -166,6 +166,9 @@ class ComparePipeline:
     def _merged(self, run: str, wholes: list[dict[int, StepData]], out: "Actions") -> None:
         for parts in wholes:
             merged = self._mergers[run].merge(parts, self.runs[run].world_size)
+            layout = self.runs[run].layout
+            if layout is None or not layout.checks_replicas:
+                merged.replicas = []  # ranks that may each train on their own: differing gradients are no alarm
             for mismatch in self.layouts.add(run, merged.data.step, merged):
                 out.alert("error", mismatch.text, kind="replica", run=run)
             self._add_aligned(run, 0, merged.data, out)
@@ -182,7 +185,7 @@ class ComparePipeline:
         """Rank by rank, a run with replicas still has them checked: its gradients and parameters over its ranks."""
         state = self.runs[run]
         layout = state.layout
-        if layout is None or state.world_size < 2 or (layout.data <= 1 and layout.tensor <= 1):
+        if layout is None or state.world_size < 2 or not layout.checks_replicas:
             return
         watch = self._replica_watch.get(run)
         if watch is None:

@@ -301,3 +301,28 @@ def test_data_parallel_four_against_two_merges_the_global_batch_on_both_sides(se
     assert (first.step, first.phase, first.module) == (0, "forward", "norm"), render_text(bad)
     assert "'dp4': data-parallel shards of ranks 0-3 (split along dim 0)" in first.merged_from
     assert "baseline 'dp2': data-parallel shards of ranks 0, 1 (split along dim 0)" in first.merged_from
+
+
+def test_ranks_that_may_train_on_their_own_are_not_replicas_and_declared_data_parallelism_lines_up_rank_by_rank(server):
+    # "world": a process group with no data-parallel wrapper seen; the other run declares nothing.  Both have two
+    # ranks holding the whole model: compared rank by rank, and their differing gradients raise no alarm.
+    params = [pb.ParameterInfo(id=0, name="w", module="", module_type="Linear", shape=[4, 6], dtype=pb.FLOAT32)]
+    streams = []
+    for run, baseline, source in (("torch", True, "ddp"), ("paddle", False, "world")):
+        for r in range(2):
+            message = hello("own-ranks", run, baseline=baseline, rank=r, world_size=2)
+            if source == "world":
+                message.hello.layout.CopyFrom(pb.MeshPlace(data_rank=r, data_size=2, source=source))
+            stream = RawStream(server.address).send(message)
+            assert stream.next().WhichOneof("body") == "welcome"
+            stream.send(pb.ClientMessage(manifest=pb.Manifest(parameters=params)))
+            stream.send(step(0, [(0, Q * (1 + r))], rank=r, phase=pb.GRAD))
+            streams.append(stream)
+    for stream in streams:
+        _finish(stream, 0)
+    report = server.report_proto("own-ranks")
+    assert report.layout_mode == "ranks" and report.status == "aligned", render_text(report)
+    assert list(report.replica_mismatches) == []
+    texts = {run.name: run.layout_text for run in report.runs}
+    assert texts["paddle"] == ("TP=1 x DP=2 x PP=1, 2 ranks, inferred from the process group, no data-parallel "
+                               "wrapper seen")

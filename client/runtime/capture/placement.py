@@ -66,7 +66,9 @@ class Layout:
     expert_rank: int = 0
     expert_size: int = 1
     source: str = ""
-    """How it was found: "dtensor", "torch-tp", "ddp", "megatron", "paddle-fleet", "config"."""
+    """How it was found: "dtensor", "torch-tp", "ddp" (a data-parallel wrapper around the model), "megatron",
+    "paddle-fleet", "config", or "world" (inferred from a process group larger than the model's parallel part,
+    with no wrapper seen: its ranks may not synchronise their gradients, so the server does not check replicas)."""
 
     @property
     def parallel(self) -> bool:
@@ -402,3 +404,20 @@ class Placements:
         if len(self._with_batch) < MAX_TRACKED_PER_STEP:
             self._with_batch[key] = out
         return out
+
+
+def wrapped_by(model: Any, wrapper_names: tuple[str, ...]) -> bool:
+    """Whether an object of one of ``wrapper_names`` (a data-parallel wrapper's class) wraps ``model``.
+
+    A training often attaches twinstep to the inner model of its DistributedDataParallel or
+    paddle.DataParallel: the wrapper holds it as ``module`` (torch) or ``_layers`` (paddle).  One pass
+    over the garbage collector's objects, once, at attach.
+    """
+    import gc
+
+    for candidate in gc.get_objects():
+        if type(candidate).__name__ in wrapper_names:
+            held = candidate.__dict__.get("_modules", {}).get("module") if hasattr(candidate, "__dict__") else None
+            if held is model or getattr(candidate, "_layers", None) is model:
+                return True
+    return False

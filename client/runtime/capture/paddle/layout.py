@@ -20,7 +20,7 @@ from typing import Any
 
 import paddle
 
-from twinstep.runtime.capture.placement import Layout, Split
+from twinstep.runtime.capture.placement import Layout, Split, wrapped_by
 
 
 def module_split(module: Any, layout: Layout) -> tuple[Split | None, Split | None] | None:
@@ -76,5 +76,6 @@ def detect(model: Any) -> Layout | None:
                       context_rank=ask("get_sep_parallel_rank", 0), context_size=ask("get_sep_parallel_world_size", 1),
                       source="paddle-fleet")
     if world > 1:  # no model parallelism: the ranks hold the same model and see different data
-        return Layout(data_rank=rank, data_size=world, source="ddp")
+        wrapped = type(model).__name__ == "DataParallel" or wrapped_by(model, ("DataParallel",))
+        return Layout(data_rank=rank, data_size=world, source="ddp" if wrapped else "world")
     return None

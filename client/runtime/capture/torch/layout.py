@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from twinstep.runtime.capture.placement import BLOCK, PARTIAL, REPLICATED, Block, Layout, Split
+from twinstep.runtime.capture.placement import BLOCK, PARTIAL, REPLICATED, Block, Layout, Split, wrapped_by
 
 
 #: Mesh dimension names -> the parallelism they carry (names not listed: by their first letters).
@@ -219,7 +219,9 @@ class TorchLayouts:
             # The ranks that hold the same model part see different data: Megatron's order, tensor fastest.
             size = world // others
             data = (size, (rank // (tensor[0] * context[0])) % size)
-            source = source or "ddp"
+            if not source:
+                wrapped = wrapped or wrapped_by(model, ("DistributedDataParallel",))
+                source = "ddp" if wrapped else "world"
         elif data is None:
             data = (1, 0)
         if wrapped and not source:
