@@ -29,14 +29,12 @@ with warnings.catch_warnings():
 
 from twinstep.runtime.capture.paddle.sketch import PaddleSketcher  # noqa: E402
 
-try:
-    import mindspore  # noqa: F401
-except ImportError:
-    mindspore = None
+# MindSpore is not imported beside torch and paddle: in the legs that have it, it cannot share their process
+# (its protobuf files, the oldest leg's numpy), so its sketcher's blocks are not exercised here.
 
 RNG_SEED = 20240612
 SPEC = SketchSpec()
-FRAMEWORKS = ["torch", "paddle", "mindspore"]
+FRAMEWORKS = ["torch", "paddle"]
 #: Device sums in float32 bags (~64 elements each) before float64: the same bound as the
 #: device-vs-reference tests of test_sketch.py; float64 tensors stay float64 throughout.
 REL = {np.float32: 1e-6, np.float64: 1e-12}
@@ -89,13 +87,7 @@ LAYOUTS = {
 def _sketcher(framework: str, **kwargs):
     if framework == "torch":
         return TorchSketcher(SPEC, **kwargs), torch.from_numpy
-    if framework == "paddle":
-        return PaddleSketcher(SPEC, **kwargs), paddle.to_tensor
-    if mindspore is None:
-        pytest.skip("mindspore is not installed here")
-    from twinstep.runtime.capture.mindspore.sketch import MindSporeSketcher
-
-    return MindSporeSketcher(SPEC), mindspore.Tensor
+    return PaddleSketcher(SPEC, **kwargs), paddle.to_tensor
 
 
 def _device_sketch(sketcher, to_tensor, array: np.ndarray, **kwargs) -> np.ndarray:
@@ -222,8 +214,6 @@ def test_block_must_hold_the_tensor():
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_device_sketches_of_shards_add_up_to_the_whole(framework, name, hashed, dtype):
     shape, splits, transpose = LAYOUTS[name]
-    if framework == "mindspore" and hashed:
-        pytest.skip("the MindSpore sketcher has one host path")
     kwargs = {"max_table_elements": 0} if hashed else {}
     sketcher, to_tensor = _sketcher(framework, **kwargs)
     whole = _rng().normal(size=shape).astype(dtype)
