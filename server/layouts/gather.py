@@ -21,8 +21,6 @@ class StepGather:
         self._pending: OrderedDict[int, dict[int, StepData]] = OrderedDict()
         self._delivered: dict[int, int] = {}
         self._ended: set[int] = set()
-        self.released_short = 0
-        """Steps released before every rank sent them."""
 
     def delivered(self, rank: int) -> int:
         """The highest step ``rank`` sent (-1: none): a lower one sent again is a resend."""
@@ -71,7 +69,5 @@ class StepGather:
             if missing and not passed and len(self._pending) <= self.max_steps:
                 break
             self._pending.popitem(last=False)
-            if missing:
-                self.released_short += 1
             out.append(parts)
         return out

@@ -93,6 +93,16 @@ class LayoutLedger:
         self._replicas.append(mismatch)
         return mismatch
 
+    def partial_words(self) -> str:
+        """Which records were partial sums, in words ("" when none): the report says they were left out."""
+        if not self.partial:
+            return ""
+        runs = [f"run {run!r}: {', '.join(sorted(names)[:10])}" + (f" and {len(names) - 10} more" if len(names) > 10
+                                                                    else "")
+                for run, names in sorted(self.partial.items())]
+        return ("partial sums awaiting their reduction were not compared (the records after the reduction were): "
+                + "; ".join(runs))
+
     def provenance(self, run: str, phase: str, name: str) -> str:
         return self._provenance.get(run, {}).get((phase, name), "")
 

@@ -103,12 +103,12 @@ class _Output:
 class _Plan:
     outputs: list[_Output]
     skipped: list[Skipped]
-    src: np.ndarray  # flat row (in the concatenated parts) of each block source, grouped by output
+    src: np.ndarray  # flat row (in the concatenated parts) of each BLOCK output's sources, grouped by output
     seg: np.ndarray  # output index of each source
     scale: np.ndarray
-    starts: np.ndarray  # first source of each block output in src
-    block_outputs: np.ndarray  # output indices with sources (BLOCK kind), ascending
-    mean_outputs: np.ndarray
+    starts: np.ndarray  # first source of each block output in src (reduceat's segments)
+    block_outputs: np.ndarray  # output indices of BLOCK kind, ascending
+    means: dict[int, tuple[np.ndarray, np.ndarray]]  # MEAN output -> (rows, scales) of its sources
     replica_pairs: np.ndarray  # [k, 3]: kept row, other row, output index
     layout_key: tuple
 
@@ -211,13 +211,15 @@ def _make_plan(ranks: list[int], datas: list[StepData], world_size: int) -> _Pla
     # Pipeline stages hold different layers: rank order is stage order; keep each part's record order.
     base = np.cumsum([0] + [len(d) for d in datas])
     src, seg, scale, starts, replica_pairs = [], [], [], [], []
-    block_outputs, mean_outputs = [], []
+    block_outputs: list[int] = []
+    means: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for k, out in enumerate(outputs):
         if out.kind == MEAN:
-            mean_outputs.append(k)
-        else:
-            block_outputs.append(k)
-            starts.append(len(src))
+            means[k] = (np.asarray([base[p] + i for p, i, _ in out.sources], dtype=np.int64),
+                        np.asarray([pl.scale for _, _, pl in out.sources], dtype=np.float64))
+            continue
+        block_outputs.append(k)
+        starts.append(len(src))
         for p, i, pl in out.sources:
             src.append(base[p] + i)
             seg.append(k)
@@ -235,7 +237,7 @@ def _make_plan(ranks: list[int], datas: list[StepData], world_size: int) -> _Pla
         outputs=outputs, skipped=skipped,
         src=np.asarray(src, dtype=np.int64), seg=np.asarray(seg, dtype=np.int64),
         scale=np.asarray(scale, dtype=np.float64), starts=np.asarray(starts, dtype=np.int64),
-        block_outputs=np.asarray(block_outputs, dtype=np.int64), mean_outputs=np.asarray(mean_outputs, dtype=np.int64),
+        block_outputs=np.asarray(block_outputs, dtype=np.int64), means=means,
         replica_pairs=np.asarray(replica_pairs, dtype=np.int64).reshape(-1, 3),
         layout_key=(records, calls.tobytes(), slots.tobytes()),
     )
@@ -264,8 +266,8 @@ def _apply(plan: _Plan, ranks: list[int], datas: list[StepData]) -> MergedStep:
            for name in table}
     if plan.src.size:
         _merge_blocks(plan, table, out)
-    for k in plan.mean_outputs.tolist():
-        _merge_mean(plan, int(k), table, out)
+    for k, (rows, scales) in plan.means.items():
+        _merge_mean(k, rows, scales, table, out)
     keep = np.ones(n, dtype=bool)
     skipped = list(plan.skipped)
     for k in dropped:
@@ -295,8 +297,6 @@ def _merge_blocks(plan: _Plan, table: dict[str, np.ndarray], out: dict[str, np.n
     src, seg, s = plan.src, plan.seg, plan.scale
     n = len(plan.outputs)
     block = plan.block_outputs
-    is_block = np.isin(seg, block)
-    src, seg, s = src[is_block], seg[is_block], s[is_block]
     count = table["count"][src]
     bad = table["nan_count"][src] + table["inf_count"][src]
     finite = count - bad
@@ -311,7 +311,7 @@ def _merge_blocks(plan: _Plan, table: dict[str, np.ndarray], out: dict[str, np.n
     empty = finite <= 0  # a shard with no finite element has no extrema (its 0s are placeholders)
     lo = np.where(empty, np.inf, lo)
     hi = np.where(empty, -np.inf, hi)
-    starts = np.searchsorted(seg, block)  # sources are grouped by output, in output order
+    starts = plan.starts
     for name, values, ufunc in (("min", lo, np.minimum), ("max", hi, np.maximum),
                                 ("abs_max", np.where(empty, 0.0, table["abs_max"][src] * np.abs(s)), np.maximum)):
         reduced = ufunc.reduceat(values, starts)
@@ -325,9 +325,8 @@ def _merge_blocks(plan: _Plan, table: dict[str, np.ndarray], out: dict[str, np.n
     out["m2"][:] += np.bincount(seg, weights=table["m2"][src] * s * s + spread, minlength=n)
 
 
-def _merge_mean(plan: _Plan, k: int, table: dict[str, np.ndarray], out: dict[str, np.ndarray]) -> None:
-    rows = plan.src[plan.seg == k]
-    s = plan.scale[plan.seg == k]
+def _merge_mean(k: int, rows: np.ndarray, s: np.ndarray, table: dict[str, np.ndarray],
+                out: dict[str, np.ndarray]) -> None:
     out["count"][k] = 1
     if table["nan_count"][rows].any() or table["inf_count"][rows].any():
         out["nan_count"][k] = int(table["nan_count"][rows].any())
@@ -427,12 +426,11 @@ def _merge_sketches(plan: _Plan, datas: list[StepData], data: StepData) -> None:
         rows_of.append(rows)
         first_row += len(d.sketches)
     row = np.concatenate(rows_of)
-    block = np.isin(plan.seg, plan.block_outputs)
-    src, seg, scale = plan.src[block], plan.seg[block], plan.scale[block]
-    missing = np.bincount(seg, weights=row[src] < 0, minlength=len(plan.outputs)) > 0
+    src = plan.src
+    missing = np.bincount(plan.seg, weights=row[src] < 0, minlength=len(plan.outputs)) > 0
     stacked = np.concatenate([d.sketches for d in datas]) if len(datas) > 1 else datas[0].sketches
-    values = stacked[np.maximum(row[src], 0)].astype(np.float64) * scale[:, None]
-    sums = np.add.reduceat(values, np.searchsorted(seg, plan.block_outputs), axis=0)
+    values = stacked[np.maximum(row[src], 0)].astype(np.float64) * plan.scale[:, None]
+    sums = np.add.reduceat(values, plan.starts, axis=0)
     keep = ~missing[plan.block_outputs]
     outputs = plan.block_outputs[keep]
     if outputs.size:

@@ -128,6 +128,11 @@ class ComparePipeline:
             for _, rank, run, data in held:
                 self.add(run, rank, data, out)
 
+    def layout_words(self) -> str:
+        """How the runs lined up, and which records merging left out as partial sums (the report's summary)."""
+        partial = self.layouts.partial_words()
+        return f"{self.layout_summary}; {partial}" if partial else self.layout_summary
+
     def delivered(self, run: str, rank: int) -> int:
         """The highest step of ``run``'s ``rank`` this session holds or compared (a lower one is a resend)."""
         if self.logical:

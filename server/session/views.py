@@ -93,7 +93,7 @@ def snapshot(core: "SessionCore", long_run: bool, batch_sync: pb.BatchSync | Non
         preflight=tuple(core.preflight.to_proto(core.candidates)),
         candidates=tuple(_candidate(core, run, coverage[run].summary, final) for run in core.candidates),
         layout_mode=pipeline.layout_mode or "",
-        layout_summary=pipeline.layout_summary,
+        layout_summary=pipeline.layout_words(),
         layout_differences=tuple(pipeline.layouts.differences()),
         replica_mismatches=tuple(pipeline.layouts.replica_mismatches()),
         merged_from=_merged_from(core),

@@ -326,3 +326,24 @@ def test_ranks_that_may_train_on_their_own_are_not_replicas_and_declared_data_pa
     texts = {run.name: run.layout_text for run in report.runs}
     assert texts["paddle"] == ("TP=1 x DP=2 x PP=1, 2 ranks, inferred from the process group, no data-parallel "
                                "wrapper seen")
+
+
+def test_a_partial_sum_is_left_out_and_the_report_says_so(server):
+    # Each candidate rank sends o_proj's product before its all-reduce (PARTIAL) and the reduced norm after it.
+    base = _open(server.address, "partial", "tp1", baseline=True)
+    place = [pb.MeshPlace(tensor_rank=r, tensor_size=2, source="torch-tp") for r in range(2)]
+    cands = [_open(server.address, "partial", "tp2", baseline=False, rank=r, world=2, layout=place[r]) for r in range(2)]
+    base.send(step(0, [(0, H), (1, Q)]))
+    for r, cand in enumerate(cands):
+        message = step(0, [(0, H), (1, Q * 0.5 + r)], rank=r)  # the halves' values are nothing like Q
+        message.step.placements.append(pb.Placement(record=1, kind=pb.Placement.PARTIAL, split_by="tensor"))
+        cand.send(message)
+    _finish(base, 0)
+    for cand in cands:
+        _finish(cand, 0)
+    report = server.report_proto("partial")
+    assert report.status == "aligned" and not report.HasField("first_divergence"), render_text(report)
+    assert ("partial sums awaiting their reduction were not compared (the records after the reduction were): "
+            "run 'tp2': q_proj") in report.layout_summary
+    assert "q_proj" in " ".join(report.unmatched_baseline)  # the baseline's whole q_proj had no counterpart
+    assert "run 'tp2': q_proj" in render_text(report)

@@ -408,7 +408,9 @@ def test_bundle_dir_is_where_asked_for_bundles_are_written(server, tmp_path, cap
     with grpc.insecure_channel(server.address) as channel:
         told = pb_grpc.TwinstepStub(channel).Zoom(pb.ZoomRequest(session=session, modules=["0"], bundle=True),
                                                   timeout=30)
-    wait_for(lambda: any("zoom #" in r.getMessage() for r in caplog.records), timeout=30)
+    # The training's own line (the server logs "zoom #" too, in this process, before the run has heard of it).
+    wait_for(lambda: any("zoom #" in r.getMessage() and "from the server" in r.getMessage()
+                         for r in caplog.records), timeout=30)
     while mon.current_step <= told.first_step:
         step()
     mon.close()

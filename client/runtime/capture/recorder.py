@@ -272,7 +272,6 @@ class Recorder:
         self.parameters: list[tuple[int, str, Any]] = []
         self.parameter_infos: list[pb.ParameterInfo] = []
         self._sketcher = backend.make_sketcher(SketchSpec()) if config.sketch else None
-        self._sketch_blocks = _sketches_blocks(self._sketcher)
         self._host_pool_bytes = host_pool_bytes
         self._zoom: Any = None  # twinstep.runtime.capture.control.StepZoom of the step being recorded (None: as attached)
         self._pool = (
@@ -483,15 +482,10 @@ class Recorder:
                 buffer.sketches[index] = buffer.sketches[source]
             elif math.prod(shape) > sketcher.spec.buckets:
                 transpose = phase in (pb.GRAD, pb.PARAM) and target in self._transposed
+                # A block is keyed by the element's index in the logical tensor, so the shards' sketches add up.
                 keyed = block.sketch_block if block is not None else None
-                if keyed is None:
-                    buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose)
-                    buffer.cost.bytes_read += _nbytes_of(dtype, shape)
-                elif self._sketch_blocks:  # keyed by the element's index in the logical tensor: shards add up
-                    buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose, block=keyed)
-                    buffer.cost.bytes_read += _nbytes_of(dtype, shape)
-                # TODO: a sketcher without ``block`` (the framework's sketch.py before keying by the logical
-                # tensor's index) cannot sketch a block so that the shards add up: such records go unsketched.
+                buffer.sketches[index] = sketcher.sketch(tensor, transpose=transpose, block=keyed)
+                buffer.cost.bytes_read += _nbytes_of(dtype, shape)
         return index
 
     def _statistics(self, key: _Key, tensor: Any, nbytes: int) -> Any:
@@ -616,7 +610,6 @@ class Recorder:
             self._pool = HostBufferPool(self.backend.allocate_host, max_free_bytes=self._host_pool_bytes)
         if zoom.wants_sketches and self._sketcher is None:
             self._sketcher = self.backend.make_sketcher(SketchSpec())
-            self._sketch_blocks = _sketches_blocks(self._sketcher)
 
     def _zoomed(self, phase: int, target: int) -> tuple[bool, bool]:
         """(full tensor, sketch) a zoom asks for this record's module (a parameter's: its owner)."""
@@ -846,18 +839,6 @@ class Recorder:
             task.cancelled = True
         if self._offload is not None:
             self._offload.close()
-
-
-def _sketches_blocks(sketcher: Any) -> bool:
-    """Whether ``sketcher.sketch`` takes ``block=`` (keys a shard's sketch by the logical tensor's indices)."""
-    if sketcher is None:
-        return False
-    import inspect
-
-    try:
-        return "block" in inspect.signature(sketcher.sketch).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _renumbered(host: HostTensor, position: np.ndarray) -> HostTensor:
