@@ -3,6 +3,7 @@
     python benchmarks/load_streams.py [--ranks 32] [--records 600] [--seconds 20] [--warmup 3] [--clients 2]
                                       [--slack 2] [--phases saturation,paced] [--rate 0] [--fraction 0.5]
                                       [--probes 15] [--no-inject] [--server-arg=--config=FILE ...]
+                                      [--shards 0,1,2,4] [--ray-cpus N] [--shard-arg=--shard-poll=0.1 ...]
 
 A new file rather than a mode of server_load.py: it measures something else
 (per-step acknowledgement and alert latency inside one loaded session, and
@@ -62,6 +63,22 @@ What it does, and why each part is built the way it is:
   timestamps are time.perf_counter(), CLOCK_MONOTONIC on Linux, comparable
   across the processes of one machine.
 
+The sharded comparator (``--shards LIST``): the whole measurement runs once per
+entry, each with a server of its own, and one table compares them (0: the
+embedded single-process server; N: ``twinstep serve --shards N``, a front and N
+shard processes as Ray actors of a local Ray instance the server starts).
+Every stream, the probe sessions' included, says its hello to the one address;
+a front answers with ``Welcome.stream_to`` and ends the stream, and the stream
+opens again on that address with the same hello (server_load.Stream and
+_LoadStream do this; a stream sends nothing past its hello until the server
+answered, which costs the single server one round trip per stream at start).
+Reports, Watch and GetReport go to the front, merged over the shards.  Server
+CPU is the front's and every shard's (/proc), shards found by the front's log
+line ``twinstep shard I: pid P at HOST:PORT``; Ray's own processes (raylet,
+gcs_server, its agents and idle workers: what descends from the front and from
+the shards' raylet) are counted apart, CPU and memory, and so are the load
+generators' CPU.  Memory is per process: peak VmHWM and sampled VmRSS.
+
 tests/integration/test_load.py runs the same load for a bounded time and
 asserts what must hold (nothing about timing).  The machine may be small and
 shared: the figures are as measured, with their command.
@@ -88,6 +105,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc
 import numpy as np
 
+from server_load import MAX_REDIRECTS, Answer, redirected_requests
 from server_load import Stream as _ProbeStream
 from server_load import _frame, _hello, _layout, _proc_cpu, _proc_status, _step_message
 
@@ -101,6 +119,8 @@ SATURATION, PACED = "saturation", "paced"
 _POLL = 0.05
 _GATE_POLL = 0.002
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20)]
+_START_TIMEOUT = 300.0
+"""Seconds a server may take to listen (a sharded one starts Ray and its shards first)."""
 
 
 @dataclass
@@ -125,6 +145,10 @@ class LoadConfig:
     inject: bool = True
     """Inject a divergent candidate step into the loaded session at the middle of the last phase's window."""
     server_args: tuple[str, ...] = ()
+    shards: int = 0
+    """0: the embedded single-process server; N: ``twinstep serve --shards N`` (a front and N shard processes)."""
+    shard_args: tuple[str, ...] = ()
+    """Passed to twinstep serve only when ``shards`` > 0 (Ray's CPUs, for instance)."""
     log: str = ""
     """The server's log file (default: a temporary file)."""
 
@@ -146,6 +170,8 @@ class StreamOutcome:
     code: str
     details: str
     commands: int
+    stream_to: str = ""
+    """Where a sharded server's front sent the stream ("": it streamed where it was opened)."""
 
 
 @dataclass
@@ -162,6 +188,13 @@ class PhaseResult:
     records_compared_per_s: float = 0.0
     records_received_per_s: float = 0.0
     cores_busy: float = 0.0
+    """CPU of the server's processes (the one server, or the front and every shard) over the window."""
+    front_cores_busy: float = 0.0
+    """Of ``cores_busy``, the front's (sharded only)."""
+    ray_cores_busy: float = 0.0
+    """CPU of Ray's own processes (raylet, gcs_server, workers, agents) over the window."""
+    load_cores_busy: float = 0.0
+    """CPU of the load-generating processes over the window."""
     in_flight: tuple[int, int] = (0, 0)
     """Steps handed to gRPC but not acknowledged, over every stream, at the window's start and end."""
     drain_s: float = 0.0
@@ -172,7 +205,7 @@ class PhaseResult:
     report_ms: list[float] = field(default_factory=list)
     """GetReport round trips of the loaded session during the window."""
     peak_rss_mb: float = 0.0
-    """Largest sampled VmRSS of the server during the phase."""
+    """Largest sampled VmRSS of the server during the phase (sharded: of the front and shards together)."""
 
     @property
     def seconds(self) -> float:
@@ -210,6 +243,14 @@ class LoadResult:
     server_alive: bool = False
     """The server answered GetReport after every stream had closed."""
     server_log_tail: str = ""
+    processes: dict[str, dict] = field(default_factory=dict)
+    """Per server process and Ray's (_ServerProcesses.memory): pids, MB of peak VmHWM, sampled peak, last."""
+    shard_addresses: dict[int, str] = field(default_factory=dict)
+    shard_restarts: int = 0
+    left_over: list[str] = field(default_factory=list)
+    """Processes of the server still running once it stopped (ended by the benchmark, by pid)."""
+    start_s: float = 0.0
+    """Seconds from starting the server to its listening (Ray and the shards started, when sharded)."""
 
     @property
     def lost(self) -> dict[str, int]:
@@ -278,12 +319,20 @@ class _LoadStream:
         self.commands = 0
         self.code, self.details = "", ""
         self.ended = threading.Event()
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        method = self.channel.stream_stream("/twinstep.v1.Twinstep/Stream", request_serializer=lambda b: b,
-                                            response_deserializer=pb.ServerMessage.FromString)
-        self.call = method(self._requests())
+        self.stream_to = ""
+        """The address a sharded server's front sent this stream to ("": the one it was opened on)."""
+        self._rest = self._requests()  # consumed by the one call that is not redirected
+        self.channel, self.call, self._answer = self._open(address)
         self._reader = threading.Thread(target=self._read, name=f"load-read-{index}", daemon=True)
         self._reader.start()
+
+    def _open(self, address: str):
+        """A channel and a call on ``address``: the hello, then (unless redirected) everything else."""
+        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        method = channel.stream_stream("/twinstep.v1.Twinstep/Stream", request_serializer=lambda b: b,
+                                       response_deserializer=pb.ServerMessage.FromString)
+        answer = Answer()
+        return channel, method(redirected_requests(self._hello, answer, self._rest)), answer
 
     # -- requests, pulled by gRPC's own thread ----------------------------------------------------
 
@@ -323,7 +372,7 @@ class _LoadStream:
         return True
 
     def _requests(self):
-        yield self._hello
+        """Everything after the hello (sent by redirected_requests, once per call)."""
         yield self._manifest
         step = 0
         while not self._past_stop(step) and self._wait_turn(step) and not self._past_stop(step):
@@ -350,25 +399,19 @@ class _LoadStream:
 
     def _read(self) -> None:
         try:
-            for message in self.call:
-                kind = message.WhichOneof("body")
-                if kind == "credit":
-                    now = time.perf_counter()
-                    with self._cond:
-                        acked = message.credit.acked_step
-                        for step in range(self.acked + 1, acked + 1):
-                            at = self.handed.pop(step, None)
-                            if at is not None:
-                                self.samples.append((at, now - at))
-                        self.acked = max(self.acked, acked)
-                        self.max_step = message.credit.max_step
-                        self._cond.notify_all()
-                    self._shared["acked"][self.index] = self.acked
-                elif kind == "welcome":
-                    self.welcome_last_step = message.welcome.last_step_received
-                    self.welcomed.set()
-                elif kind == "command":  # no halt is asked for: anything here is a finding
-                    self.commands += 1
+            for _ in range(MAX_REDIRECTS + 1):
+                try:
+                    self._read_call()
+                except grpc.RpcError:
+                    if not self._answer.stream_to:  # a front may end a redirected stream as it likes
+                        raise
+                finally:
+                    self._answer.event.set()
+                if not self._answer.stream_to:
+                    break
+                self.stream_to = self._answer.stream_to
+                self.channel.close()
+                self.channel, self.call, self._answer = self._open(self.stream_to)
             self.code = "OK"
         except grpc.RpcError as error:
             self.code, self.details = error.code().name, error.details() or ""
@@ -377,10 +420,36 @@ class _LoadStream:
             with self._cond:
                 self._cond.notify_all()
 
+    def _read_call(self) -> None:
+        for message in self.call:
+            kind = message.WhichOneof("body")
+            if kind == "welcome" and message.welcome.stream_to:
+                self._answer.stream_to = message.welcome.stream_to  # the front ends this call
+                self._answer.event.set()
+                continue
+            self._answer.event.set()
+            if kind == "credit":
+                now = time.perf_counter()
+                with self._cond:
+                    acked = message.credit.acked_step
+                    for step in range(self.acked + 1, acked + 1):
+                        at = self.handed.pop(step, None)
+                        if at is not None:
+                            self.samples.append((at, now - at))
+                    self.acked = max(self.acked, acked)
+                    self.max_step = message.credit.max_step
+                    self._cond.notify_all()
+                self._shared["acked"][self.index] = self.acked
+            elif kind == "welcome":
+                self.welcome_last_step = message.welcome.last_step_received
+                self.welcomed.set()
+            elif kind == "command":  # no halt is asked for: anything here is a finding
+                self.commands += 1
+
     def outcome(self) -> StreamOutcome:
         return StreamOutcome(self.index, self.run, self.rank, self.welcomed.is_set(), self.welcome_last_step,
                              self.records_sent, self.last_step, self.acked, self.code or "NOT_ENDED", self.details,
-                             self.commands)
+                             self.commands, self.stream_to)
 
 
 def _bodies(cfg: LoadConfig, rank: int, run: str) -> tuple[bytes, bytes | None]:
@@ -502,25 +571,216 @@ def _probe(channel: grpc.Channel, stub: pb_grpc.TwinstepStub, name: str, manifes
         watcher.stop()
 
 
-class _RssSampler:
-    """The server's VmRSS every 0.25 s, as (perf_counter, kB)."""
+_SHARD_LINE = re.compile(r"twinstep shard (\d+): pid (\d+) at (\S+)")
+FRONT, SHARD, RAY, LOAD = "front", "shard", "ray", "load"
+"""Process groups: the one server (or a sharded server's front), its shards, what Ray runs beside them
+(raylet, gcs_server, idle workers, agents), and the load generators."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.samples: list[tuple[float, int]] = []
+
+def _stat(pid: int) -> tuple[int, str, int]:
+    """(parent pid, command name, start time in clock ticks since boot) from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    name = text[text.index("(") + 1:text.rindex(")")]
+    fields = text.rsplit(")", 1)[1].split()
+    return int(fields[1]), name, int(fields[19])
+
+
+class _ServerProcesses:
+    """Every process of the server, found while it runs, with its memory sampled every 0.25 s.
+
+    The front (or the one server) is the process started; each shard is named by the front's log line
+    ``twinstep shard I: pid P at HOST:PORT`` (the latest one per shard: a restarted shard prints it again).
+    Ray's own processes are what descends from the front and from each shard's parent (the raylet) and is
+    no shard: raylet, gcs_server, workers and agents; found by process tree, not by name, so another
+    Ray instance on the machine is not counted.  Labels: "front" (or "server"), "shard I", "raylet",
+    "gcs_server", "ray: NAME" (command name), "load I"."""
+
+    def __init__(self, proc: subprocess.Popen, log: str, sharded: bool) -> None:
+        self.front = proc.pid
+        self.label: dict[int, str] = {proc.pid: "front" if sharded else "server"}
+        self.group: dict[int, str] = {proc.pid: FRONT}
+        self.shards: dict[int, tuple[int, str]] = {}
+        """Shard index -> (pid, address) as the log last named it."""
+        self.restarts = 0
+        """Shard lines naming a new pid for a shard already seen."""
+        self.hwm: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.started: dict[int, int] = {}
+        """Start time of each process found (clock ticks since boot): a pid reused later is not it."""
+        self.samples: list[tuple[float, dict[int, int]]] = []  # (perf_counter, pid -> VmRSS kB)
+        self._log, self._log_at, self._stdout = log, 0, getattr(proc, "lines", [])
+        self._stdout_at = 0
+        self._lock = threading.Lock()
         self.done = threading.Event()
-        threading.Thread(target=self._run, name="rss", daemon=True).start()
+        self._scan()
+        threading.Thread(target=self._run, name="server-processes", daemon=True).start()
+
+    def add(self, pid: int, label: str, group: str) -> None:
+        with self._lock:
+            self.label[pid], self.group[pid] = label, group
+
+    # -- finding them --------------------------------------------------------------------------------
+
+    def _lines(self) -> list[str]:
+        lines = []
+        try:
+            with open(self._log, errors="replace") as f:
+                f.seek(self._log_at)
+                text = f.read()
+            cut = text.rfind("\n") + 1  # whole lines only
+            self._log_at += len(text[:cut].encode(errors="replace"))
+            lines += text[:cut].splitlines()
+        except OSError:
+            pass
+        new = self._stdout[self._stdout_at:]
+        self._stdout_at += len(new)
+        return lines + new
+
+    def _scan(self) -> None:
+        for line in self._lines():
+            found = _SHARD_LINE.search(line)
+            if found:
+                index, pid, address = int(found.group(1)), int(found.group(2)), found.group(3)
+                try:
+                    started = _stat(pid)[2]
+                except (OSError, ValueError, IndexError):
+                    started = -1
+                with self._lock:
+                    if index in self.shards and self.shards[index][0] != pid:
+                        self.restarts += 1
+                    self.shards[index] = (pid, address)
+                    self.label[pid], self.group[pid] = f"shard {index}", SHARD
+                    self.started[pid] = started
+        if not self.shards and len(self.label) == 1:
+            return
+        try:
+            tree: dict[int, list[int]] = {}
+            names: dict[int, tuple[str, int]] = {}
+            for entry in os.listdir("/proc"):
+                if entry.isdigit():
+                    try:
+                        parent, name, started = _stat(int(entry))
+                    except (OSError, ValueError, IndexError):
+                        continue
+                    tree.setdefault(parent, []).append(int(entry))
+                    names[int(entry)] = (name, started)
+        except OSError:
+            return
+        with self._lock:
+            roots = {self.front}
+            for pid, _ in self.shards.values():
+                try:
+                    parent = _stat(pid)[0]
+                    if _stat(parent)[1] == "raylet":  # the raylet that started the shard's worker
+                        roots.add(parent)
+                except (OSError, ValueError, IndexError):
+                    pass
+            seen, todo = set(), list(roots)
+            while todo:
+                pid = todo.pop()
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                todo += tree.get(pid, [])
+            for pid in seen - set(self.label) - {os.getpid()}:
+                name, started = names.get(pid, ("?", -1))
+                self.label[pid] = name if name in ("raylet", "gcs_server") else f"ray: {name}"
+                self.group[pid] = RAY
+                self.started[pid] = started
 
     def _run(self) -> None:
+        n = 0
         while not self.done.is_set():
-            try:
-                self.samples.append((time.perf_counter(), _proc_status(self.pid)["VmRSS"]))
-            except (OSError, KeyError):
-                return
-            time.sleep(0.25)
+            if n % 8 == 0:  # the tree every 2 s; memory every 0.25 s
+                self._scan()
+            self.sample()
+            n += 1
+            self.done.wait(0.25)
 
-    def peak_mb(self, since: float = 0.0, until: float = float("inf")) -> float:
-        return max((kb for t, kb in list(self.samples) if since <= t <= until), default=0) / 1024
+    def sample(self) -> None:
+        with self._lock:
+            pids = list(self.label)
+        rss = {}
+        for pid in pids:
+            try:
+                status = _proc_status(pid)
+            except (OSError, KeyError):
+                continue
+            rss[pid] = status.get("VmRSS", 0)
+            self.last[pid] = rss[pid]
+            self.hwm[pid] = max(self.hwm.get(pid, 0), status.get("VmHWM", 0))
+        self.samples.append((time.perf_counter(), rss))
+
+    # -- reading them ---------------------------------------------------------------------------------
+
+    def cpu(self) -> dict[int, float]:
+        """CPU seconds (user + system, every thread) of each process found, now."""
+        with self._lock:
+            pids = list(self.label)
+        out = {}
+        for pid in pids:
+            try:
+                out[pid] = _proc_cpu(pid)
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    def cores(self, a: dict[int, float], b: dict[int, float], seconds: float, group: str) -> float:
+        """Cores busy in ``group`` between two cpu() readings (a process that appeared counts from 0)."""
+        with self._lock:
+            pids = [pid for pid, g in self.group.items() if g == group]
+        return sum(b[pid] - a.get(pid, 0.0) for pid in pids if pid in b) / seconds if seconds > 0 else 0.0
+
+    def server_pids(self) -> list[int]:
+        with self._lock:
+            return [pid for pid, g in self.group.items() if g in (FRONT, SHARD)]
+
+    def peak_mb(self, since: float = 0.0, until: float = float("inf"), groups=(FRONT, SHARD)) -> float:
+        """Largest sampled sum of VmRSS over the processes of ``groups`` (the server's, by default)."""
+        with self._lock:
+            pids = {pid for pid, g in self.group.items() if g in groups}
+        return max((sum(kb for pid, kb in rss.items() if pid in pids)
+                    for t, rss in list(self.samples) if since <= t <= until), default=0) / 1024
+
+    def memory(self) -> dict[str, dict]:
+        """Per server and Ray process (Ray's processes of one command name summed): pids, peak VmHWM, largest
+        sampled VmRSS, last VmRSS, in MB.  Sums of resident sizes count shared pages (libraries) once per
+        process: an upper bound of what they take together."""
+        with self._lock:
+            labels, groups = dict(self.label), dict(self.group)
+        out: dict[str, dict] = {}
+        for pid, label in labels.items():
+            if groups[pid] == LOAD:
+                continue
+            peak = max((rss.get(pid, 0) for _, rss in self.samples), default=0)
+            row = {"pids": [pid], "hwm": self.hwm.get(pid, 0) / 1024, "peak": peak / 1024,
+                   "end": self.last.get(pid, 0) / 1024, "group": groups[pid]}
+            if label in out:  # summed: processes of one kind (or a shard that restarted)
+                for key in ("hwm", "peak", "end"):
+                    out[label][key] += row[key]
+                out[label]["pids"].append(pid)
+            else:
+                out[label] = row
+        return out
+
+    def stop_left_over(self) -> list[str]:
+        """After the server stopped: end (by pid) what it started and left running; say what that was."""
+        left = []
+        with self._lock:
+            pids = [(pid, self.label[pid]) for pid, g in self.group.items() if g in (SHARD, RAY)]
+        for pid, label in pids:
+            try:
+                _, _, started = _stat(pid)
+            except (OSError, ValueError, IndexError):
+                continue  # gone
+            if started == self.started.get(pid):
+                left.append(f"{label} (pid {pid})")
+                try:
+                    os.kill(pid, 15)
+                except OSError:
+                    pass
+        return left
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -540,19 +800,26 @@ def start_server(args: tuple[str, ...], log: str) -> tuple[subprocess.Popen, str
     with open(log, "w") as err:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "twinstep", "serve", "--host", HOST, "--port", "0", *args],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
-    for line in proc.stdout:
-        found = re.search(r"listening on (\S+)", line)
-        if found:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, found.group(1)
+    proc.lines = []  # its stdout, kept for the shard lines (_ServerProcesses)
+    timer = threading.Timer(_START_TIMEOUT, proc.kill)  # a server that never listens is not waited for forever
+    timer.start()
+    try:
+        for line in proc.stdout:
+            proc.lines.append(line)
+            found = re.search(r"listening on (\S+)", line)
+            if found:
+                threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True).start()
+                return proc, found.group(1)
+    finally:
+        timer.cancel()
     proc.wait(10)
     raise RuntimeError(f"twinstep serve exited with {proc.returncode} before listening; see {log}")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, grace: float = 10.0) -> None:
     proc.terminate()
     try:
-        proc.wait(10)
+        proc.wait(grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
@@ -621,15 +888,32 @@ def run_load(cfg: LoadConfig) -> LoadResult:
                     _step_message(layout, 0, noise=1e-9).SerializeToString(),
                     _step_message(layout, 0, noise=1e-9, diverge=_diverge_index(layout)).SerializeToString())
 
-    proc, address = start_server(cfg.server_args, log)
-    rss = _RssSampler(proc.pid)
+    args = cfg.server_args
+    if cfg.shards > 0:
+        args = ("--shards", str(cfg.shards), *cfg.shard_args, *args)
+    t_start = time.perf_counter()
+    proc, address = start_server(args, log)
+    result.start_s = time.perf_counter() - t_start
+    rss = _ServerProcesses(proc, log, cfg.shards > 0)
+    if cfg.shards > 0:  # every shard named by the front's log before the load starts
+        deadline = time.perf_counter() + 60
+        while len(rss.shards) < cfg.shards and time.perf_counter() < deadline:
+            time.sleep(0.1)
+            rss._scan()
+        if len(rss.shards) < cfg.shards:
+            print(f"(the server's log named {len(rss.shards)} of {cfg.shards} shards: their CPU and memory are "
+                  "missing from the figures)", flush=True)
+
+    def server_rss_mb() -> float:
+        return sum(_proc_status(pid)["VmRSS"] for pid in rss.server_pids()) / 1024
+
     procs = []
     channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     stub = pb_grpc.TwinstepStub(channel)
     outcomes, samples, probe_sessions = [], [], 0
     watcher = None
     try:
-        result.rss_mb["start"] = _proc_status(proc.pid)["VmRSS"] / 1024
+        result.rss_mb["start"] = server_rss_mb()
         watcher = _Watcher(stub, SESSION)
         watcher.subscribed.wait(10)
         for ranks in deal:
@@ -637,15 +921,16 @@ def run_load(cfg: LoadConfig) -> LoadResult:
                             daemon=True)
             p.start()
             procs.append(p)
+            rss.add(p.pid, f"load {len(procs)}", LOAD)
         barrier.wait(180)  # every stream has joined (or been refused)
-        result.rss_mb["joined"] = _proc_status(proc.pid)["VmRSS"] / 1024
+        result.rss_mb["joined"] = server_rss_mb()
 
         def in_flight() -> tuple[int, int]:
             return sum(x + 1 for x in shared["handed"]), sum(x + 1 for x in shared["acked"])
 
-        def mark(phase: PhaseResult) -> tuple[float, float, int, int, int]:
+        def mark(phase: PhaseResult) -> tuple[float, dict, int, int, int]:
             report = _report(stub, phase.report_ms)
-            return (time.perf_counter(), _proc_cpu(proc.pid), report.steps_compared if report else -1, *in_flight())
+            return (time.perf_counter(), rss.cpu(), report.steps_compared if report else -1, *in_flight())
 
         for number, name in enumerate(cfg.phases):
             rate = 0.0
@@ -702,7 +987,10 @@ def run_load(cfg: LoadConfig) -> LoadResult:
             phase.compared_steps = b[2] - a[2]
             phase.records_compared_per_s = phase.compared_steps * cfg.ranks * cfg.records / phase.seconds
             phase.records_received_per_s = (b[4] - a[4]) * cfg.records / phase.seconds
-            phase.cores_busy = (b[1] - a[1]) / phase.seconds
+            phase.cores_busy = rss.cores(a[1], b[1], phase.seconds, FRONT) + rss.cores(a[1], b[1], phase.seconds, SHARD)
+            phase.front_cores_busy = rss.cores(a[1], b[1], phase.seconds, FRONT)
+            phase.ray_cores_busy = rss.cores(a[1], b[1], phase.seconds, RAY)
+            phase.load_cores_busy = rss.cores(a[1], b[1], phase.seconds, LOAD)
             phase.in_flight = (a[3] - a[4], b[3] - b[4])
             phase.probe_alert_ms = sorted(1e3 * x for x in probe_results if x is not None)
             phase.probes_missing = sum(1 for x in probe_results if x is None)
@@ -744,10 +1032,12 @@ def run_load(cfg: LoadConfig) -> LoadResult:
                 result.divergence = (d.step, d.rank, d.phase, d.module)
         if cfg.inject:
             watcher.diverged.wait(10)
-        status = _proc_status(proc.pid)
-        result.rss_mb["end"] = status["VmRSS"] / 1024
-        result.rss_mb["peak (VmHWM)"] = status["VmHWM"] / 1024
-        result.rss_mb["peak sampled"] = max(rss.peak_mb(), status["VmRSS"] / 1024)
+        rss.sample()  # VmHWM read before the server stops
+        memory = rss.memory()
+        server = [m for m in memory.values() if m["group"] in (FRONT, SHARD)]
+        result.rss_mb["end"] = sum(m["end"] for m in server)
+        result.rss_mb["peak (VmHWM)"] = sum(m["hwm"] for m in server)  # sharded: the sum of each one's peak
+        result.rss_mb["peak sampled"] = rss.peak_mb()
     finally:
         rss.done.set()
         go.set()
@@ -760,7 +1050,14 @@ def run_load(cfg: LoadConfig) -> LoadResult:
             if p.is_alive():
                 p.kill()
         channel.close()
-        stop_server(proc)
+        result.processes = rss.memory()
+        result.shard_addresses = {i: a for i, (_, a) in rss.shards.items()}
+        result.shard_restarts = rss.restarts
+        stop_server(proc, grace=60.0 if cfg.shards > 0 else 10.0)
+        if cfg.shards > 0:
+            time.sleep(2.0)
+            rss._scan()
+        result.left_over = rss.stop_left_over()
         result.server_log_tail = _tail(log)
 
     result.outcomes = sorted(outcomes, key=lambda o: o.index)
@@ -811,7 +1108,10 @@ def describe(result: LoadResult) -> str:
             ("steps compared / s per rank", f"{phase.steps_per_s:,.2f}"),
             ("MB/s received by the server",
              f"{phase.records_received_per_s / cfg.records * result.step_bytes / 1e6:.2f}"),
-            ("server CPU (cores busy)", f"{phase.cores_busy:.2f}"),
+            ("server CPU (cores busy)" + (", front and shards" if cfg.shards else ""), f"{phase.cores_busy:.2f}"),
+            *([("  of which the front", f"{phase.front_cores_busy:.2f}"),
+               ("Ray's own processes CPU (cores busy)", f"{phase.ray_cores_busy:.2f}")] if cfg.shards else []),
+            ("load generators CPU (cores busy)", f"{phase.load_cores_busy:.2f}"),
             ("records compared / s per server core",
              f"{phase.records_compared_per_s / max(phase.cores_busy, 1e-9):,.0f}"),
             ("steps in flight (handed, not acked), window start / end",
@@ -837,14 +1137,24 @@ def describe(result: LoadResult) -> str:
     if result.divergence:
         step, rank, phase_name, module = result.divergence
         lines.append(f"  first divergence declared: step {step} rank {rank}, {phase_name} of {module!r}")
-    lines.append("  server MB: VmRSS start {start:.0f}, all joined {joined:.0f}, end {end:.0f}; "
+    if cfg.shards:
+        lines.append(f"  sharded: {cfg.shards} shards at {', '.join(a for _, a in sorted(result.shard_addresses.items()))}"
+                     f"; started and listening in {result.start_s:.1f} s; shard restarts seen {result.shard_restarts}")
+        for label, m in sorted(result.processes.items(), key=lambda kv: (kv[1]["group"], kv[0])):
+            lines.append(f"  {label:<28} pids {','.join(map(str, m['pids'])):<24} MB: peak VmHWM {m['hwm']:.0f}, "
+                         f"sampled peak {m['peak']:.0f}, end {m['end']:.0f}")
+        if result.left_over:
+            lines.append(f"  left running after the server stopped (ended by pid): {', '.join(result.left_over)}")
+    lines.append("  server MB" + (" (front and shards, summed)" if cfg.shards else "") + ": VmRSS start {start:.0f}, all joined {joined:.0f}, end {end:.0f}; "
                  "peak VmHWM {hwm:.0f} (sampled {sampled:.0f})".format(
                      start=result.rss_mb.get("start", 0), joined=result.rss_mb.get("joined", 0),
                      end=result.rss_mb.get("end", 0), hwm=result.rss_mb.get("peak (VmHWM)", 0),
                      sampled=result.rss_mb.get("peak sampled", 0)))
     joined = sum(1 for o in result.outcomes if o.welcomed)
     ok = sum(1 for o in result.outcomes if o.code == "OK")
-    lines.append(f"  streams: {len(result.outcomes)} opened, {joined} joined, {ok} ended OK, "
+    redirected = sum(1 for o in result.outcomes if o.stream_to)
+    lines.append(f"  streams: {len(result.outcomes)} opened, {redirected} sent on to a shard by the front, "
+                 f"{joined} joined, {ok} ended OK, "
                  f"{len(result.rejected)} rejected, failed or commanded; each sent steps 0..{result.final_step}; "
                  f"steps compared on every rank: {result.final_steps_compared}; status {result.status or '?'}; "
                  f"GetReport answered after the load: {'yes' if result.server_alive else 'NO'}")
@@ -878,6 +1188,74 @@ def describe(result: LoadResult) -> str:
     return "\n".join(lines)
 
 
+def _held(result: LoadResult, phase: PhaseResult) -> bool:
+    cfg = result.config
+    return phase.steps_per_s >= 0.95 * phase.rate and phase.in_flight[1] <= phase.in_flight[0] + 2 * cfg.streams
+
+
+def _p(xs: list[float], q: float, unit: float = 1.0, digits: int = 0) -> str:
+    return f"{_pct(xs, q) / unit:,.{digits}f}" if xs else "-"
+
+
+def compare(runs: list[tuple[int, LoadResult | None, str, float]]) -> str:
+    """One table of every configuration's figures (markdown), then one of memory per process.
+
+    ``runs``: (shards, result or None, error, wall seconds of the configuration)."""
+    head = ["server", "records compared/s (saturation)", "server cores busy (front)", "per server core",
+            "Ray's own cores", "load generators' cores", "ack p50 / p99 ms (saturation)",
+            "paced: offered -> compared records/s", "ack p50 / p99 ms (paced)",
+            "probe alert p50 / p99 ms (saturation; paced)", "loaded session's alert ms",
+            "records lost", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    mem = ["| server | process | peak VmHWM MB | sampled peak VmRSS MB | pids |", "|---|---|---|---|---|"]
+    for shards, result, error, wall in runs:
+        name = "one process" if shards == 0 else f"{shards} shard{'s' if shards > 1 else ''}"
+        if result is None:
+            lines.append(f"| {name} | FAILED: {error} |" + " |" * (len(head) - 2))
+            continue
+        sat, paced = result.phase(SATURATION), result.phase(PACED)
+        row = [name]
+        if sat:
+            row += [f"{sat.records_compared_per_s:,.0f}",
+                    f"{sat.cores_busy:.2f}" + (f" ({sat.front_cores_busy:.2f})" if shards else ""),
+                    f"{sat.records_compared_per_s / max(sat.cores_busy, 1e-9):,.0f}",
+                    f"{sat.ray_cores_busy:.2f}" if shards else "-", f"{sat.load_cores_busy:.2f}",
+                    f"{_p(sat.ack_ms, 50)} / {_p(sat.ack_ms, 99)}"]
+        else:
+            row += ["-"] * 6
+        if paced:
+            row += [f"{paced.rate * result.config.ranks * result.config.records:,.0f} -> "
+                    f"{paced.records_compared_per_s:,.0f} ({'held' if _held(result, paced) else 'NOT held'})",
+                    f"{_p(paced.ack_ms, 50, digits=1)} / {_p(paced.ack_ms, 99, digits=1)}"]
+        else:
+            row += ["-", "-"]
+        probes = [f"{_p(ph.probe_alert_ms, 50, digits=1)} / {_p(ph.probe_alert_ms, 99, digits=1)}"
+                  + (f" ({ph.probes_missing} missed)" if ph.probes_missing else "") for ph in (sat, paced) if ph]
+        row.append("; ".join(probes) or "-")
+        row.append(f"{result.alert_ms:,.0f}" if result.alert_ms is not None else
+                   ("NONE" if result.config.inject else "-"))
+        lost = sum(result.lost.values())
+        total = sum(result.sent.values())
+        row.append(f"{lost} of {total / 1e6:.1f} M" + ("" if lost == 0 and not result.rejected else
+                                                       f" FAIL ({len(result.rejected)} streams rejected)"))
+        row.append(f"{wall:.0f}")
+        lines.append("| " + " | ".join(row) + " |")
+        for label, m in sorted(result.processes.items(), key=lambda kv: ({"front": 0, "shard": 1}.get(kv[1]["group"], 2),
+                                                                            kv[0])):
+            what = label if m["group"] != "ray" else label + " (Ray)"
+            mem.append(f"| {name} | {what} | {m['hwm']:,.0f} | {m['peak']:,.0f} | "
+                       f"{len(m['pids'])} process{'es' if len(m['pids']) > 1 else ''} |")
+    return "\n".join(lines + ["", *mem])
+
+
+def _uptime() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return "load average " + ", ".join(f.read().split()[:3])
+    except OSError:
+        return "load average unknown"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     d = LoadConfig()
@@ -894,18 +1272,48 @@ def main() -> int:
     parser.add_argument("--probes", type=int, default=d.probes, help="divergence-latency probe sessions per phase")
     parser.add_argument("--no-inject", action="store_true", help="no divergent step in the loaded session")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to twinstep serve (repeatable)")
+    parser.add_argument("--shards", default="0",
+                        help="comma-separated shard counts, each measured in turn with its own server "
+                             "(0: the embedded single-process server), e.g. 0,1,2,4; one table compares them")
+    parser.add_argument("--ray-cpus", type=int, default=None,
+                        help="with shards: CPUs the local Ray instance declares (default: twinstep serve's)")
+    parser.add_argument("--shard-arg", action="append", default=[],
+                        help="passed to twinstep serve only with shards (repeatable)")
     args = parser.parse_args()
-    cfg = LoadConfig(ranks=args.ranks, records=args.records, seconds=args.seconds, warmup=args.warmup,
-                     clients=args.clients, slack=args.slack, phases=tuple(p for p in args.phases.split(",") if p),
-                     rate=args.rate, fraction=args.fraction, probes=args.probes, inject=not args.no_inject,
-                     server_args=tuple(args.server_arg))
-    cfg.log = os.path.join(tempfile.gettempdir(), f"twinstep_load_streams_{os.getpid()}.log")
-    print(f"twinstep {cfg.streams}-stream load benchmark; {os.cpu_count()} CPUs; server log {cfg.log}", flush=True)
-    t = time.perf_counter()
-    result = run_load(cfg)
-    print(describe(result))
-    print(f"(whole run {time.perf_counter() - t:.1f} s wall)")
-    return 0 if sum(result.lost.values()) == 0 and not result.rejected else 1
+    counts = [int(x) for x in args.shards.split(",") if x.strip()]
+    if not counts or any(n < 0 for n in counts):
+        parser.error("--shards: shard counts >= 0, e.g. 0,1,2,4")
+    shard_args = tuple(args.shard_arg) + ((f"--ray-cpus={args.ray_cpus}",) if args.ray_cpus is not None else ())
+    runs = []
+    print(f"twinstep {2 * args.ranks}-stream load benchmark; {os.cpu_count()} CPUs; configurations: "
+          + ", ".join("one process" if n == 0 else f"{n} shards" for n in counts) + f"; {_uptime()}", flush=True)
+    for shards in counts:
+        cfg = LoadConfig(ranks=args.ranks, records=args.records, seconds=args.seconds, warmup=args.warmup,
+                         clients=args.clients, slack=args.slack,
+                         phases=tuple(p for p in args.phases.split(",") if p), rate=args.rate,
+                         fraction=args.fraction, probes=args.probes, inject=not args.no_inject,
+                         server_args=tuple(args.server_arg), shards=shards, shard_args=shard_args)
+        cfg.log = os.path.join(tempfile.gettempdir(), f"twinstep_load_streams_{os.getpid()}_{shards}.log")
+        print(f"\n#### {'one server process' if shards == 0 else f'{shards} shards'}: server log {cfg.log}; "
+              f"{_uptime()}", flush=True)
+        t = time.perf_counter()
+        try:
+            result = run_load(cfg)
+        except Exception as exc:  # one configuration failing still leaves the others' figures
+            wall = time.perf_counter() - t
+            print(f"FAILED after {wall:.0f} s: {type(exc).__name__}: {exc}\n-- server log, last lines:\n"
+                  f"{_tail(cfg.log)}", flush=True)
+            runs.append((shards, None, f"{type(exc).__name__}: {exc}", wall))
+            continue
+        wall = time.perf_counter() - t
+        print(describe(result))
+        print(f"(this configuration {wall:.1f} s wall; {_uptime()})", flush=True)
+        runs.append((shards, result, "", wall))
+    if len(runs) > 1:
+        print(f"\n== every configuration, {2 * args.ranks} streams x {args.records} records/step; {_uptime()}\n")
+        print(compare(runs))
+    ok = all(r is not None and sum(r.lost.values()) == 0 and not r.rejected for _, r, _, _ in runs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

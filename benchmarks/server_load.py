@@ -203,13 +203,36 @@ def _hello(session: str, run: str, baseline: bool, rank: int, world: int) -> byt
 # -- a raw stream ------------------------------------------------------------------------------
 
 
+class Answer:
+    """One call's first answer: set at its first ServerMessage (or at its end); ``stream_to`` if it redirects."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.stream_to = ""
+
+
+def redirected_requests(hello: bytes, answer: Answer, rest):
+    """One call's requests: the hello, then, once the server answered without sending the stream elsewhere
+    (a sharded server's front answers with Welcome.stream_to and ends the stream), the rest.  A front
+    receives the hello only; the stream's other messages wait for the call that will carry them."""
+    yield hello
+    answer.event.wait()
+    if not answer.stream_to:
+        yield from rest
+
+
+MAX_REDIRECTS = 4
+
+
 class Stream:
-    """One rank of one run: pre-serialized frames out; credit, HALT and events timestamped in."""
+    """One rank of one run: pre-serialized frames out; credit, HALT and events timestamped in.
+
+    When the server's Welcome names ``stream_to`` (a sharded server's front), the stream opens again on
+    that address, with the same hello, on a channel of its own (closed when the stream ends)."""
 
     def __init__(self, channel: grpc.Channel, hello: bytes, manifest: pb.Manifest) -> None:
         self._requests: queue.Queue = queue.Queue()
-        method = channel.stream_stream("/twinstep.v1.Twinstep/Stream", request_serializer=lambda b: b,
-                                       response_deserializer=pb.ServerMessage.FromString)
+        self._hello = hello
         self._cond = threading.Condition()
         self.max_step = -1
         self.acked = -1
@@ -217,34 +240,63 @@ class Stream:
         self.divergence_at: float | None = None
         self.ended = threading.Event()
         self.last_sent = -1
-        self._requests.put(hello)
+        self.stream_to = ""
         self._requests.put(pb.ClientMessage(manifest=manifest).SerializeToString())
-        self.call = method(iter(self._requests.get, _END))
+        self.call, self._answer = self._open(channel)
         threading.Thread(target=self._read, daemon=True).start()
 
+    def _open(self, channel: grpc.Channel):
+        method = channel.stream_stream("/twinstep.v1.Twinstep/Stream", request_serializer=lambda b: b,
+                                       response_deserializer=pb.ServerMessage.FromString)
+        answer = Answer()
+        return method(redirected_requests(self._hello, answer, iter(self._requests.get, _END))), answer
+
     def _read(self) -> None:
+        own = None  # the channel to the address a front named
         try:
-            for message in self.call:
-                kind = message.WhichOneof("body")
-                now = time.perf_counter()
-                if kind == "credit":
-                    with self._cond:
-                        self.max_step, self.acked = message.credit.max_step, message.credit.acked_step
-                        self._cond.notify_all()
-                elif kind == "command":
-                    if message.command.kind == pb.Command.HALT_PREPARE:
-                        ack = pb.HaltAck(request_id=message.command.request_id, current_step=self.last_sent)
-                        self._requests.put(pb.ClientMessage(halt_ack=ack).SerializeToString())
-                    elif message.command.kind == pb.Command.HALT and self.halt_at is None:
-                        self.halt_at = now
-                elif kind == "event" and message.event.WhichOneof("body") == "divergence" and self.divergence_at is None:
-                    self.divergence_at = now
+            for _ in range(MAX_REDIRECTS + 1):
+                try:
+                    self._read_call()
+                except grpc.RpcError:
+                    if not self._answer.stream_to:  # a front may end a redirected stream as it likes
+                        raise
+                finally:
+                    self._answer.event.set()
+                if not self._answer.stream_to:
+                    break
+                self.stream_to = self._answer.stream_to
+                if own is not None:
+                    own.close()
+                own = grpc.insecure_channel(self.stream_to)
+                self.call, self._answer = self._open(own)
         except grpc.RpcError:
             pass
         finally:
             self.ended.set()
             with self._cond:
                 self._cond.notify_all()
+            if own is not None:
+                own.close()
+
+    def _read_call(self) -> None:
+        for message in self.call:
+            kind = message.WhichOneof("body")
+            now = time.perf_counter()
+            if kind == "welcome" and message.welcome.stream_to:
+                self._answer.stream_to = message.welcome.stream_to  # the front ends this call
+            self._answer.event.set()
+            if kind == "credit":
+                with self._cond:
+                    self.max_step, self.acked = message.credit.max_step, message.credit.acked_step
+                    self._cond.notify_all()
+            elif kind == "command":
+                if message.command.kind == pb.Command.HALT_PREPARE:
+                    ack = pb.HaltAck(request_id=message.command.request_id, current_step=self.last_sent)
+                    self._requests.put(pb.ClientMessage(halt_ack=ack).SerializeToString())
+                elif message.command.kind == pb.Command.HALT and self.halt_at is None:
+                    self.halt_at = now
+            elif kind == "event" and message.event.WhichOneof("body") == "divergence" and self.divergence_at is None:
+                self.divergence_at = now
 
     def wait_credit(self, step: int, deadline: float) -> bool:
         """Block until ``step`` may be sent (False at the deadline or stream end)."""

@@ -18,6 +18,7 @@ from twinstep.server.report.render import report_to_dict
 from twinstep.server.security import ServerSecurity
 from twinstep.server.servicer import TwinstepServicer, add_servicer
 from twinstep.server.registry import SessionRegistry
+from twinstep.server.shards.ownership import WHOLE, RankShare
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep.server")
@@ -118,6 +119,7 @@ def serve(
     insecure: bool | None = None,
     http_port: int | None = None,
     http_host: str | None = None,
+    share: RankShare = WHOLE,
 ) -> ServerHandle:
     """Start a server in this process; ``port=0`` picks a free port (see ``.address``).
 
@@ -125,6 +127,8 @@ def serve(
     it, ``config.security`` (by default the server is plaintext and open, which the
     loopback rule allows only on a loopback ``host`` unless ``insecure=True``).
     ValueError when the rule or a file says no.
+
+    ``share``: the ranks this server compares (one shard's, twinstep.server.shards; default all).
 
     ``http_port`` (default ``config.dashboard.port``) also serves the live dashboard
     and /metrics over HTTP (HTTPS with TLS) on ``http_host`` (default
@@ -145,7 +149,7 @@ def serve(
     credentials = security.credentials()
     if halt_on_divergence is not None:
         config.halt.on_divergence = halt_on_divergence
-    registry = SessionRegistry(config)
+    registry = SessionRegistry(config, share)
     stopping = threading.Event()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.limits.max_workers, thread_name_prefix="twinstep-rpc"),

@@ -346,6 +346,30 @@ class SyncConfig(Group):
                                    legacy="batch_max_bytes")
 
 
+@dataclass(kw_only=True, slots=True)
+class ShardingConfig(Group):
+    """The comparison spread over processes as Ray actors, for many ranks (docs/scale.md)."""
+
+    group: ClassVar[str] = "sharding"
+    flag_prefix: ClassVar[str] = ""
+
+    shards: int = setting(0, help="Comparator shards (Ray actors), each comparing its share of every session's ranks "
+                          "behind the one address clients attach to; 0: the whole comparison in this process.",
+                          minimum=0, where=_SERVE)
+    ray_address: str | None = setting(None, help="A running Ray cluster to start the shards on (e.g. auto, or "
+                                      "HOST:6379); none: a local Ray instance started and stopped with the server.",
+                                      where=_SERVE)
+    key: str = setting("rank", help="What a shard owns: rank gives rank r of every run of a session to shard "
+                       "r modulo shards (runs of one parallel layout); session gives a whole session to one shard (runs "
+                       "of different layouts, whose ranks are merged).", choices=("rank", "session"),
+                       flag="--shard-by", where=_SERVE)
+    ray_cpus: int = setting(0, help="CPUs a local Ray instance declares (0: the machine's, at least one per shard); "
+                            "each shard asks for one.", minimum=0, where=_SERVE)
+    poll_interval: float = setting(0.25, help="Seconds between the coordinator's polls of the shards: the delay a "
+                                   "divergence found on a shard waits before the session declares it.", minimum=0.01,
+                                   unit="s", flag="--shard-poll", where=_SERVE)
+
+
 def _load_tolerances(raw: Any, where: str, base_dir: pathlib.Path) -> ToleranceConfig:
     return ToleranceConfig.from_dict(raw, where)
 
@@ -394,6 +418,7 @@ class ServerConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     tolerances: ToleranceConfig = setting(default_factory=ToleranceConfig, help="Per phase and metric, with overrides "
                                           "by module name (docs/tolerances.md).", load=_load_tolerances)
     mapping: NameMapping = setting(default_factory=NameMapping, help="Candidate module names to baseline names: exact, "

@@ -2,7 +2,8 @@
 
 Training jobs install twinstep's core dependencies only; the server's web and terminal side comes with
 ``pip install 'twinstep[server]'`` (the dashboard and /metrics: starlette, uvicorn, prometheus-client;
-``twinstep watch``'s live view: rich), a self-signed certificate with ``'twinstep[tls]'``.
+``twinstep watch``'s live view: rich), a self-signed certificate with ``'twinstep[tls]'``, a sharded
+comparator with ``'twinstep[ray]'``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Iterable
 DASHBOARD = ("starlette", "uvicorn", "prometheus_client")
 #: What ``twinstep watch``'s live view imports.
 LIVE_VIEW = ("rich",)
+#: What a sharded server (``twinstep serve --shards N``) imports: its shards are Ray actors.
+RAY = ("ray",)
 
 
 class MissingExtra(ImportError, ValueError):

@@ -18,6 +18,7 @@ from twinstep.server.journal.replay import replay
 from twinstep.server.journal.store import JournalStore, StoredSession
 from twinstep.server.report.builder import build_report
 from twinstep.server.session import Session
+from twinstep.server.shards.ownership import WHOLE, RankShare
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep.server")
@@ -36,8 +37,10 @@ class _Archived:
 class SessionRegistry:
     """The sessions of one server, and what outlives them in memory (the journal, or archived reports)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, share: RankShare = WHOLE) -> None:
         self.config = config
+        self.share = share
+        """The ranks of every session this server compares: all, or one shard's (twinstep.server.shards)."""
         self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}
         self._archived: OrderedDict[str, _Archived] = OrderedDict()
@@ -205,7 +208,7 @@ class SessionRegistry:
     # -- internals ------------------------------------------------------------------------------
 
     def _new_session(self, name: str) -> Session:
-        session = Session(name, self.config, self.session_ended)
+        session = Session(name, self.config, self.session_ended, self.share)
         if self.store is not None:
             session.journal = self.store.open_session(name)
         return session
@@ -219,7 +222,7 @@ class SessionRegistry:
                            len(stored_sessions))
         for stored in stored_sessions:
             started = time.monotonic()
-            session = Session(stored.name, self.config, self.session_ended)
+            session = Session(stored.name, self.config, self.session_ended, self.share)
             session.created = stored.created
             result = replay(session, self.store.entries(stored.id))
             session.journal = self.store.resume(stored)

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import grpc
 
+from twinstep._version import PROTOCOL_VERSION
 from twinstep.server.batches.service import BatchSyncService
 from twinstep.server.connection import Connection, StreamEnd, StreamFailure
 from twinstep.server.control.service import ZoomService
@@ -78,6 +79,12 @@ class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc
                     # Before the session is created or joined: a token for another session creates nothing.
                     self.auth.check(caller, "stream", hello.session)
                     conn.session, conn.run, conn.rank = hello.session, hello.run, hello.rank  # for log lines
+                    share = self.registry.share
+                    if not share.owns(hello.session, hello.rank):  # a shard reached directly: back to the front
+                        conn.send(pb.ServerMessage(welcome=pb.Welcome(protocol_version=PROTOCOL_VERSION,
+                                                                      stream_to=share.front)))
+                        conn.finish()
+                        return
                     joining = self.registry.get_or_create(hello.session)
                     joining.join(conn, hello)  # queues the Welcome
                     session = joining

@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     security = config.security.build(config.listen.host)
     if not config.memory.release_freed:
         retain_freed_memory()  # this process is the server's own
+    if config.sharding.shards > 0:
+        return _run_sharded(config, security)
     handle = serve(port=config.listen.port, host=config.listen.host, config=config, security=security)
     host = config.listen.host
     print(f"twinstep server listening on {host}:{handle.port}"
@@ -76,6 +78,32 @@ def run(args: argparse.Namespace) -> int:
     if config.security.self_signed:
         print(f"clients trust this server with: export TWINSTEP_TLS_CA={os.path.abspath(security.tls_cert or '')}",
               flush=True)
+    _wait_for_signal()
+    handle.stop(grace=2.0)
+    return 0
+
+
+def _run_sharded(config, security) -> int:
+    """``--shards N``: the front here, the shards on Ray (docs/scale.md)."""
+    from twinstep.server.shards import serve_sharded
+
+    if config.dashboard.port is not None or config.recording.directory or config.recording.replay:
+        raise ValueError("a sharded server (--shards) serves no dashboard and records nothing yet: leave out "
+                         "--http-port, --record and --replay (docs/scale.md)")
+    handle = serve_sharded(port=config.listen.port, host=config.listen.host, config=config, security=security)
+    tokens = ", tokens required" if security.operator_token or security.session_tokens else ""
+    print(f"twinstep server listening on {config.listen.host}:{handle.port}"
+          f" ({'TLS' if handle.tls else 'plaintext'}{tokens}; {handle.shards.count} shard(s) by "
+          f"{config.sharding.key} on {handle.shards.runtime})", flush=True)
+    for index, address in enumerate(handle.shard_addresses()):
+        print(f"twinstep shard {index}: pid {handle.coordinator.pids[index]} at {address}", flush=True)
+    print(f"journal: {handle.journal} (one folder per shard)", flush=True)
+    _wait_for_signal()
+    handle.stop(grace=2.0)
+    return 0
+
+
+def _wait_for_signal() -> None:
     stop = {"requested": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -85,8 +113,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     while not stop["requested"]:
         time.sleep(0.2)
-    handle.stop(grace=2.0)
-    return 0
 
 
 def _print_recording(service) -> None:

@@ -51,6 +51,8 @@ class _Series:
     steps: dict[int, dict[int, tuple[float, float, float, float]]] = field(default_factory=dict)
     loss_dtype: str = ""
     """The baseline loss's dtype, as first seen ("" until a loss arrives)."""
+    earlier: int = 0
+    """Steps summed elsewhere and not held here (a merge of shards' partial sums keeps the first and the window)."""
 
     def add(self, step: int, rank: int, base: StepData, other: StepData) -> None:
         if not self.loss_dtype:
@@ -59,6 +61,18 @@ class _Series:
         bl, bg = loss_and_grad_norm(base)
         ol, og = loss_and_grad_norm(other)
         self.steps.setdefault(step, {})[rank] = (bl, ol, bg, og)
+
+    def count(self) -> int:
+        return len(self.steps) + self.earlier
+
+    def partial(self, window: int) -> dict:
+        """Per step, the four columns summed over this server's ranks and how many ranks: the first step and the
+        latest ``window`` (what a summary reads), for a sharded server to merge (twinstep.server.shards)."""
+        steps = sorted(self.steps)
+        kept = sorted({*steps[:1], *(steps[-window:] if window else steps)})
+        return {"dtype": self.loss_dtype, "count": len(steps),
+                "steps": {step: (np.sum(list(self.steps[step].values()), axis=0).tolist(), len(self.steps[step]))
+                          for step in kept}}
 
     def arrays(self, window: int) -> tuple[np.ndarray, np.ndarray]:
         """Per step (rank-averaged): columns baseline loss, other loss, baseline norm, other norm."""
@@ -75,13 +89,35 @@ class LongRunTracker:
     def add(self, run: str, step: int, rank: int, base: StepData, other: StepData) -> None:
         self._series.setdefault(run, _Series()).add(step, rank, base, other)
 
+    def partials(self) -> dict[str, dict]:
+        """Every run's partial sums (see _Series.partial)."""
+        return {run: series.partial(self.window) for run, series in self._series.items()}
+
+    @classmethod
+    def merged(cls, window: int, shares: list[dict[str, dict]]) -> "LongRunTracker":
+        """A tracker of the rank-averaged series over several servers' partial sums (a sharded session)."""
+        tracker = cls(window)
+        for run in {run for share in shares for run in share}:
+            parts = [share[run] for share in shares if run in share]
+            totals: dict[int, tuple[np.ndarray, int]] = {}
+            for part in parts:
+                for step, (sums, count) in part["steps"].items():
+                    held = totals.get(int(step))
+                    sums = np.asarray(sums, dtype=np.float64)
+                    totals[int(step)] = (sums, count) if held is None else (held[0] + sums, held[1] + count)
+            series = tracker._series[run] = _Series(loss_dtype=next((p["dtype"] for p in parts if p["dtype"]), ""))
+            for step, (sums, count) in totals.items():
+                series.steps[step] = {0: tuple((sums / count).tolist())}
+            series.earlier = max((part["count"] for part in parts), default=0) - len(series.steps)
+        return tracker
+
     def summary(self, run: str, reference: str | None, noise_multiple: float) -> pb.LongRun | None:
         series = self._series.get(run)
         if series is None or not series.steps:
             return None
         all_steps, all_rows = series.arrays(0)
         steps, rows = series.arrays(self.window)
-        out = pb.LongRun(candidate_run=run, steps=len(all_steps), window=len(steps),
+        out = pb.LongRun(candidate_run=run, steps=series.count(), window=len(steps),
                          reference_loss_mean_abs=-1.0, reference_grad_norm_mean_rel=-1.0)
         first = all_rows[0]
         first_abs, first_rel = _abs_rel(first[0], first[1])

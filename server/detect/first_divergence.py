@@ -155,6 +155,11 @@ class FirstDivergenceTracker:
                 newly.append(best)
         return newly
 
+    def pending(self) -> dict[str, Candidate]:
+        """Per candidate, its earliest divergence found so far, declared or not (a shard's coordinator waits
+        for every shard's frontier to pass it)."""
+        return {run: self.declared.get(run) or found for run, found in self._best.items()}
+
     def first(self) -> Candidate | None:
         if not self.declared:
             return None

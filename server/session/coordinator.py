@@ -22,6 +22,7 @@ from twinstep.server.batches.buffer import BatchBuffer
 from twinstep.server.compare.comparator import StepComparison
 from twinstep.server.config import ServerConfig
 from twinstep.server.connection import Connection
+from twinstep.server.control.steps import Reach
 from twinstep.server.control.zoom import PerRun, Window
 from twinstep.server.detect.first_divergence import Candidate
 from twinstep.server.journal.store import JournalClosed, NoJournal, SessionJournal
@@ -32,6 +33,7 @@ from twinstep.server.session.core import SessionCore
 from twinstep.server.session.live import LiveHandler
 from twinstep.server.session.verdict import status_and_reasons
 from twinstep.server.session.views import BaselineRank, MetricsView
+from twinstep.server.shards.ownership import WHOLE, RankShare
 from twinstep.server.view.history import HistoryCopy
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -41,10 +43,11 @@ T = TypeVar("T")
 class Session:
     """One comparison of a baseline with its candidates: the core, and everything around it that waits or sends."""
 
-    def __init__(self, name: str, config: ServerConfig, on_ended: Callable[["Session"], object] | None = None) -> None:
+    def __init__(self, name: str, config: ServerConfig, on_ended: Callable[["Session"], object] | None = None,
+                 share: RankShare = WHOLE) -> None:
         self.name = name
         self.config = config
-        self.core = SessionCore(name, config, Moment.now())
+        self.core = SessionCore(name, config, Moment.now(), share)
         """The session's state.  Not thread-safe: read it directly only where no input can arrive (tests)."""
         self.journal: SessionJournal | NoJournal = NoJournal()
         """Where accepted inputs are committed before they are acknowledged (see twinstep.server.journal)."""
@@ -246,6 +249,14 @@ class Session:
         """What /metrics says of this session, copied at one moment."""
         with self._lock:
             return views.metrics(self.core, self.held_bytes())
+
+    def read(self, query: Callable[[SessionCore], T]) -> T:
+        """``query`` of the core under the lock: for readers outside the server (a shard's digest)."""
+        return self._locked(lambda: query(self.core))
+
+    def reach(self) -> "Reach":
+        """Ask every open stream where its training is: the first step a command sent now reaches on all."""
+        return self._live.zooms.steps.reach([conn for conn, _ in self.open_streams()])
 
     def open_streams(self) -> list[tuple[Connection, str]]:
         """Every stream still streaming, with its run's name (those a zoom or a bundle asks where they are)."""

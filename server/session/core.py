@@ -46,6 +46,7 @@ from twinstep.server.session.actions import (Action, Actions, ArmGiveUp, Commit,
                                              SetCredit)
 from twinstep.server.session.pipeline import MAX_LISTED, ComparePipeline
 from twinstep.server.session.policy import DivergencePolicy
+from twinstep.server.shards.ownership import WHOLE, RankShare
 from twinstep.v1 import twinstep_pb2 as pb
 
 if TYPE_CHECKING:
@@ -57,15 +58,17 @@ _MAX_FAILURE_ENTRIES = 1024
 class SessionCore:
     """One comparison of a baseline with its candidates, as state and rules (see the module docstring)."""
 
-    def __init__(self, name: str, config: ServerConfig, now: Moment) -> None:
+    def __init__(self, name: str, config: ServerConfig, now: Moment, share: RankShare = WHOLE) -> None:
         self.name = name
         self.config = config
+        self.share = share
+        """The ranks this server compares: all, or one shard's (twinstep.server.shards)."""
         self.members = Membership(name, config.limits.max_runs_per_session)
         self.halts = HaltState()
         self.mappings = MappingResolver(config.mapping, config.comparison.auto_mapping)
         self.coverage = CoverageLedger()
         self.pipeline = ComparePipeline(name, config, self.members, self.coverage, self.mappings,
-                                        self._error, self._refresh_preflight)
+                                        self._error, self._refresh_preflight, share)
         self.policy = DivergencePolicy()
         self.preflight = PreflightTracker()
         """The runs' training set-ups and the differences found between them (twinstep.server.preflight)."""
@@ -287,6 +290,10 @@ class SessionCore:
             raise invalid(f"setup says rank {setup.rank}, but this stream joined as rank {conn.rank}")
         self.members.rank_of(conn)
         out = Actions([Commit(Kind.SETUP, conn.stream_id, setup)])
+        # A run's set-up is its lowest rank's: a shard without rank 0 holds none (the session's report takes
+        # rank 0's shard's findings), rather than diff another rank's and name findings the session has not.
+        if not self.share.whole and setup.rank != 0:
+            return out.items
         if self.preflight.add(conn.run or "", setup):
             self._refresh_preflight(out)
         return out.items

@@ -37,6 +37,7 @@ from twinstep.server.layouts.ledger import LayoutLedger
 from twinstep.server.layouts.merge import StepMerger, select
 from twinstep.server.layouts.mesh import LOGICAL, RANKS, RunLayout, decide
 from twinstep.server.runs.membership import ENDED, Membership, RunState
+from twinstep.server.shards.ownership import WHOLE, RankShare
 from twinstep.server.view.history import SessionHistory
 from twinstep.v1 import twinstep_pb2 as pb
 from twinstep.wire import phases
@@ -53,9 +54,11 @@ class ComparePipeline:
 
     def __init__(self, name: str, config: ServerConfig, members: Membership, coverage: CoverageLedger,
                  mappings: MappingResolver, on_error: Callable[[str, "Actions"], None],
-                 on_mapping_proposed: Callable[["Actions"], None]) -> None:
+                 on_mapping_proposed: Callable[["Actions"], None], share: RankShare = WHOLE) -> None:
         self.name = name
         self.config = config
+        self.share = share
+        """The ranks this server compares: all of them, or one shard's (twinstep.server.shards)."""
         self.members = members
         self.coverage = coverage
         self.mappings = mappings
@@ -121,6 +124,13 @@ class ComparePipeline:
         if self.members.baseline is None or len(layouts) < 2:
             return
         self.layout_mode, self.layout_summary = decide(self.config.comparison.layouts, layouts)
+        if self.logical and not self.share.whole and self.share.key == "rank":
+            # This shard holds some ranks of each run: merging needs them all (the coordinator says so too).
+            self.layout_mode = RANKS
+            self.layout_summary += ("; but this server's shards hold a share of the ranks each, so they are "
+                                    "compared rank by rank (twinstep serve --shard-by session merges them)")
+            self._on_error(self.layout_summary, out)
+            return
         if self.logical:  # steps held rank by rank until now are merged instead
             self._replica_watch.clear()  # the merge checks replicas now
             held = sorted(((data.step, rank, run, data) for rank, aligner in self.aligners.items()
@@ -309,27 +319,30 @@ class ComparePipeline:
 
     # -- declaring --------------------------------------------------------------------------------
 
-    def declare(self) -> list[Candidate]:
-        """Declare divergences no earlier one can precede any more."""
+    def frontier(self) -> dict[str, float]:
+        """Per candidate, the step every compared rank here (and every reference) has passed or ended at."""
         baseline = self.members.baseline
         if baseline is None:
-            return []
+            return {}
         base = self.runs[baseline]
         # Candidate steps wait for the references' noise bands, so references bound the frontier too.
         references = [self.runs[name] for name in self.members.references]
         frontier: dict[str, float] = {}
         for name in self.members.candidates:
             cand = self.runs[name]
-            ranks = range(min(base.world_size, cand.world_size))
             if self.logical:  # a logical step is whole once every rank of every run has passed it
                 frontier[name] = min(self._whole_run_step(run) for run in [base, cand, *references])
                 continue
             frontier[name] = min(
                 (min([base.effective_step(r), cand.effective_step(r)] + [ref.effective_step(r) for ref in references])
-                 for r in ranks),
+                 for r in self.compared_ranks(name)),
                 default=-1,
             )
-        declared = self.tracker.declare(frontier)
+        return frontier
+
+    def declare(self) -> list[Candidate]:
+        """Declare divergences no earlier one can precede any more."""
+        declared = self.tracker.declare(self.frontier())
         for found in declared:
             found.gaps_before, found.gaps_unlisted = self._gaps_before(found)
         return declared
@@ -350,14 +363,22 @@ class ComparePipeline:
     def _whole_run_step(run: RunState) -> float:
         return min((run.effective_step(r) for r in range(run.world_size)), default=-1)
 
-    def compared_ranks(self, candidate: str) -> range:
+    def compared_ranks(self, candidate: str) -> range | list[int]:
+        """The ranks ``candidate`` is compared on here (a shard's share of them on a sharded server)."""
         base = self.runs.get(self.members.baseline or "")
         cand = self.runs.get(candidate)
         if base is None or cand is None:
             return range(0)
         if self.logical:
             return range(1)  # one logical rank: each run's ranks merged
-        return range(min(base.world_size, cand.world_size))
+        world = min(base.world_size, cand.world_size)
+        return range(world) if self.share.whole else self.share.ranks(self.name, world)
+
+    def compared_count(self, world: int) -> int:
+        """How many of ``world`` ranks are compared here: a step is compared on every rank once on that many."""
+        if self.logical:
+            return 1
+        return world if self.share.whole else len(self.share.ranks(self.name, world))
 
     def compared_world(self, run: RunState) -> int:
         """Ranks a step of ``run`` is compared on: 1 when runs' ranks are merged per logical tensor."""
@@ -396,7 +417,7 @@ class ComparePipeline:
         world = max((run.world_size for run in self.runs.values()), default=1)
         if self.members.baseline is not None:
             world = self.runs[self.members.baseline].world_size
-        return self.tracker.steps_compared(1 if self.logical else world)
+        return self.tracker.steps_compared(self.compared_count(world))
 
     def held_bytes(self) -> int:
         return (sum(aligner.held_bytes() for aligner in self.aligners.values())

@@ -116,8 +116,7 @@ def _candidate(core: "SessionCore", candidate: str, coverage: str, final: bool =
     status, reasons = verdict.of_candidate(core, candidate, final)
     run = core.runs[candidate]
     world = min(run.world_size, core.runs[core.baseline].world_size) if core.baseline in core.runs else 1
-    if pipeline.logical:
-        world = 1  # each run's ranks merged: one logical rank
+    world = pipeline.compared_count(world)  # 1 when each run's ranks are merged; a shard's ranks on a shard
     return CandidateSnapshot(
         run=candidate, framework=run.framework, status=status, status_reasons=tuple(reasons),
         halted=core.halted or candidate in core.halts.runs_halted,

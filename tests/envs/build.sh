@@ -11,7 +11,8 @@
 #   latest          3.11  newest numpy 2.x, torch 2.13, paddle 3.3, transformers + paddleformers
 #                         --no-deps (numpy stays 2.x)
 #   paddleformers   3.11  the ordinary paddle user's install: paddleformers with its dependencies,
-#                         so numpy stays at 1.26.4 (fast_dataindex pins it); MindSpore 2.10
+#                         so numpy stays at 1.26.4 (fast_dataindex pins it); MindSpore 2.10; Ray
+#                         (the project's ray extra: the sharded comparator)
 #   oldest          3.10  the lowest versions twinstep claims (MindSpore 2.7)
 #   newest-python   3.13  the newest Python that torch and paddle ship wheels for
 #
@@ -43,6 +44,13 @@ python_of() {  # the Python minor version of a leg
         oldest) echo 3.10 ;;
         newest-python) echo 3.13 ;;
         *) return 1 ;;
+    esac
+}
+
+project_extras() {  # the project's extras beyond the test extra, per leg
+    case $leg in
+        paddleformers) echo "[ray]" ;;  # the sharded comparator's tests run in this leg only
+        *) echo "" ;;
     esac
 }
 
@@ -155,7 +163,7 @@ for spec in extras["test"]:
         print(spec)
 EOF
 )
-pip_install -c "$cons" -e "$root" "${test_reqs[@]}"
+pip_install -c "$cons" -e "$root$(project_extras)" "${test_reqs[@]}"
 
 frozen=$("$vpy" -m pip freeze --all --exclude-editable --disable-pip-version-check | sed 's/+[A-Za-z0-9.]*$//' | LC_ALL=C sort -f)
 if [ "$mode" = --repin ]; then

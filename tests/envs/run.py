@@ -124,6 +124,12 @@ INTEGRATION: dict[str, Row] = {
     "test_chaos.py": Row(ONCE, "links cut, delayed and held; processes killed and stopped"),
     "test_load.py": Row(ONCE, "64 streams against one server process"),
     "test_durable_sessions.py": Row(ONCE, "a server killed mid-run and restarted on its journal"),
+    # Ray is installed (the `ray` extra) in this leg only; the module skips where it is not.
+    "test_sharded_server.py": Row(("paddleformers",), "the comparison sharded on Ray: the embedded server's report, "
+                                                      "a shard killed and one stopped"),
+    "test_sharded_sessions.py": Row(ONCE, "the sharded server's coordinator, front and merges (shards in one process)"),
+    "test_shards_on_ray.py": Row(("paddleformers",), "shards as Ray actors: a local instance's CPUs, a shard Ray "
+                                                     "restarts, a cluster of its own that outlives the front"),
     "test_record_replay.py": Row(ONCE, "record and replay across server processes"),
     "test_security.py": Row(ONCE, "TLS, mutual TLS and tokens"),
     "test_coverage.py": Row(ONCE, "gaps named and coverage said: the server's bookkeeping, the client's queue"),
@@ -137,6 +143,7 @@ INTEGRATION: dict[str, Row] = {
     # The MindSpore page's examples need MindSpore, which latest lacks.
     "test_docs.py::test_python_examples_run[mindspore]": Row(("paddleformers",), "docs/mindspore.md's examples"),
     "test_docs.py::test_command_lines_parse[mindspore]": Row(("paddleformers",), "docs/mindspore.md's commands"),
+    "test_docs.py::test_python_examples_run[scale]": Row(("paddleformers",), "docs/scale.md's example (Ray)"),
 }
 
 

@@ -104,6 +104,15 @@ EFFECT: dict[str, list[str]] = {
                                 "test_batches_over_the_limit_are_refused_and_those_dropped_for_room_say_so_at_once"],
     "sync.batch_max_bytes": ["tests/unit_tests/test_batch_sync.py::"
                              "test_batches_over_the_limit_are_refused_and_those_dropped_for_room_say_so_at_once"],
+    "sharding.shards": ["tests/integration/test_sharded_sessions.py::"
+                        "test_the_sharding_settings_decide_the_shards_and_what_each_owns"],
+    "sharding.key": ["tests/integration/test_sharded_sessions.py::"
+                     "test_the_sharding_settings_decide_the_shards_and_what_each_owns"],
+    "sharding.poll_interval": ["tests/integration/test_sharded_sessions.py::test_the_poll_interval_paces_the_coordinator"],
+    "sharding.ray_address": ["tests/integration/test_shards_on_ray.py::"
+                            "test_shards_start_on_a_running_ray_cluster_and_outlive_a_front_that_dies"],
+    "sharding.ray_cpus": ["tests/integration/test_shards_on_ray.py::"
+                         "test_a_local_ray_instance_declares_the_cpus_asked_and_a_killed_shard_comes_back"],
     "tolerances": [f"{HERE}::test_the_session_compares_with_the_configured_tolerances_and_mapping"],
     "mapping": [f"{HERE}::test_the_session_compares_with_the_configured_tolerances_and_mapping",
                 "tests/integration/test_server_policies.py::test_mapping_file_matches_renamed_modules"],

@@ -7,6 +7,10 @@ outbox keeps the newest steps and drops the oldest (counted per reason), one
 warning is logged, and the worker reconnects with jittered backoff.  Steps
 stay in the outbox until the server acknowledges them, so a reconnect resends
 what the broken stream may have lost and the server skips what it already has.
+
+A sharded server's front answers the hello with the address of the shard that
+compares this run and rank (``Welcome.stream_to``): the worker streams there
+instead, and comes back to the front when that shard cannot be reached.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ _FATAL_CODES = frozenset(
 _SERVER_ERROR_CODES = frozenset({grpc.StatusCode.INTERNAL})
 #: At close, how long a run that never reached the server waits for its last connection attempt.
 _LAST_ATTEMPT_S = 1.0
+#: Redirects followed at once, one after another, before a sharded server is suspected of a loop; beyond
+#: this many in a row (with no Welcome that lets this run stream between them) each waits the usual backoff.
+MAX_REDIRECTS = 8
 _STREAM_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Twinstep'].full_name}/Stream"
 
 
@@ -178,6 +185,8 @@ class StreamClient(Sender):
         self._forked_child = False
         # The step on the wire when the server failed with INTERNAL: dropped if the server does not have it.
         self._server_error: tuple[int, str] | None = None
+        # Where the current attempt streams, as logged: the address given, or a shard of it.
+        self._where = self._config.target
 
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a data-loader worker) must not share the parent's
@@ -306,6 +315,12 @@ class StreamClient(Sender):
 
     def _run(self) -> None:
         # Reconnects until closed (no deadline): jittered, doubling up to backoff_max; close() cuts a wait short.
+        #
+        # A sharded server's front answers the hello with Welcome.stream_to, the shard that compares this run
+        # and rank: the attempt ends and the next one, at once, streams there (same hello, token, TLS trust,
+        # channel options).  The address given stays the front: a shard that cannot be reached sends the next
+        # attempt back to the front (which redirects again, to where the shard is now); a shard stream that
+        # broke after its Welcome is retried on the shard once first (a restarted shard may keep its port).
         initial = self._config.backoff_initial
         retry = Retry(Backoff(initial, self._config.backoff_max), stop=self._wake)
         # While closing with steps queued: short waits (at most 1 s), until close()'s timeout sets _stopped.
@@ -320,10 +335,16 @@ class StreamClient(Sender):
             ("grpc.keepalive_timeout_ms", 10_000),
         ]
         security = self._config.security
+        front = self._config.target
+        target = front
+        redirects = 0  # in a row: attempts answered by a redirect, one after another
         while not self._stopped.is_set():
             attempt_done = threading.Event()
+            redirect = ""
+            welcomed = False
+            self._where = target if target == front else f"{target} (shard of {front})"
             try:
-                with security.channel(self._config.target, options=options) as channel:
+                with security.channel(target, options=options) as channel:
                     # Tensor pieces arrive serialized (see messages.py); everything else is a message.
                     stream = channel.stream_stream(
                         _STREAM_METHOD, request_serializer=_to_wire, response_deserializer=pb.ServerMessage.FromString
@@ -332,6 +353,12 @@ class StreamClient(Sender):
                     with self._cond:
                         self._call = call
                     for response in call:
+                        if response.WhichOneof("body") == "welcome":
+                            if response.welcome.stream_to:
+                                redirect = response.welcome.stream_to
+                                call.cancel()  # nothing but the hello went out on it
+                                break
+                            welcomed = True
                         if self._handle(response):
                             retry.reset()
                             flush.reset()
@@ -355,9 +382,9 @@ class StreamClient(Sender):
                         "twinstep: %s the comparison server at %s (%s: %s); training continues, up to %d steps "
                         "are kept and older ones dropped; %s in the background",
                         "lost contact with" if reached else "cannot reach",
-                        self._config.target,
+                        self._where,
                         code.name,
-                        details + explain(details, security.uses_tls(self._config.target), reached=reached),
+                        details + explain(details, security.uses_tls(target), reached=reached),
                         self._config.max_queue_steps,
                         "reconnecting" if reached else "trying again",
                     )
@@ -376,6 +403,23 @@ class StreamClient(Sender):
                     self._ledger.resend()
                     self.stats.connected = False
                     self._cond.notify_all()
+            if redirect:
+                redirects += 1
+                target = redirect
+                if redirects <= MAX_REDIRECTS:
+                    continue  # at once: a redirect is not a lost server
+                self._warn_once(
+                    "redirect_loop",
+                    "twinstep: the comparison server at %s sent this run on %d times in a row without accepting it "
+                    "(last to %s); following with backoff",
+                    front, redirects, redirect,
+                )
+            else:
+                redirects = 0
+                if welcomed:
+                    self._warn_once.forget("redirect_loop")
+                else:
+                    target = front  # a shard that cannot be reached: the front says where it is now
             if self._closing:
                 if not self.stats.reached:
                     return  # never reached: nothing to flush into; close() ends at once
@@ -393,6 +437,8 @@ class StreamClient(Sender):
         """Apply one server message; True when it shows a healthy stream."""
         kind = response.WhichOneof("body")
         if kind == "welcome":
+            if response.welcome.stream_to:
+                return False  # a redirect (see _run): nothing here is this run's stream
             with self._cond:
                 first_contact = not self.stats.reached
                 self._welcomed = True
@@ -404,8 +450,7 @@ class StreamClient(Sender):
                 self._drop_server_error()
                 self._cond.notify_all()
             if self._warn_once.forget("unreachable"):
-                logger.warning("twinstep: %s to %s", "connected" if first_contact else "reconnected",
-                               self._config.target)
+                logger.warning("twinstep: %s to %s", "connected" if first_contact else "reconnected", self._where)
             return True
         if kind == "credit":
             with self._cond:
@@ -517,7 +562,7 @@ class StreamClient(Sender):
         while True:
             if attempt_done.is_set() or self._stopped.is_set():
                 return None, None
-            if self._control:
+            if self._control and self._welcomed:  # not to a front that only says where to stream
                 return self._control.popleft(), None
             if self._welcomed:
                 sent_modules, sent_params = self._manifest_sent

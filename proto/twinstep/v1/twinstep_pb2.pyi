@@ -553,7 +553,7 @@ class PreflightFinding(_message.Message):
     def __init__(self, candidate_run: _Optional[str] = ..., category: _Optional[str] = ..., key: _Optional[str] = ..., baseline: _Optional[str] = ..., candidate: _Optional[str] = ..., affects: _Optional[_Iterable[str]] = ..., affects_unlisted: _Optional[int] = ..., message: _Optional[str] = ..., severity: _Optional[str] = ..., explained: _Optional[bool] = ..., explanation: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("protocol_version", "last_step_received", "lossy", "max_step_tensor_bytes")
+    __slots__ = ("protocol_version", "last_step_received", "lossy", "max_step_tensor_bytes", "stream_to")
     class LossyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -565,11 +565,13 @@ class Welcome(_message.Message):
     LAST_STEP_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TO_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     last_step_received: int
     lossy: _containers.MessageMap[str, LossyBound]
     max_step_tensor_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ..., lossy: _Optional[_Mapping[str, LossyBound]] = ..., max_step_tensor_bytes: _Optional[int] = ...) -> None: ...
+    stream_to: str
+    def __init__(self, protocol_version: _Optional[int] = ..., last_step_received: _Optional[int] = ..., lossy: _Optional[_Mapping[str, LossyBound]] = ..., max_step_tensor_bytes: _Optional[int] = ..., stream_to: _Optional[str] = ...) -> None: ...
 
 class LossyBound(_message.Message):
     __slots__ = ("rms_fraction", "absolute")
