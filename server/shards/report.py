@@ -124,6 +124,14 @@ def merge_reports(view: SessionView, reports: dict[int, pb.Report], errors: list
     _merge_headroom(out, others)
     _merge_coverage(out, view, reports, home)
     _merge_candidates(out, view, reports, firsts)
+    entry = next((c for c in out.candidates if c.candidate_run == primary.candidate), None) if primary else None
+    if entry is not None and out.first_divergence.candidate_run != entry.candidate_run:
+        # The base shard's own first belongs to a candidate whose divergence is not final yet: the session's is
+        # the primary candidate's, with its words.
+        out.first_divergence.CopyFrom(entry.first_divergence)
+        out.stage, out.culprit = entry.stage, entry.culprit
+        del out.tree[:]
+        out.tree.extend(entry.tree)
     _explain(out, reports[home])
     statuses = [report.status for report in others]
     out.status = _status(statuses, diverged=bool(firsts))
