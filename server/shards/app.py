@@ -117,6 +117,25 @@ def serve_sharded(port: int = 0, host: str = "127.0.0.1", config: ServerConfig |
     if insecure is not None:
         security.insecure = insecure
     security.check_exposure(host)
+    started_ray = False
+    if runtime == "ray":  # before gRPC runs anything in this process (runtime.start_ray)
+        from twinstep.server.extras import RAY, require
+        from twinstep.server.shards.runtime import start_ray
+
+        require(RAY, "a sharded server (--shards)")
+        started_ray = start_ray(config.sharding.ray_address, config.sharding.ray_cpus, count)
+    try:
+        return _start(port, host, config, count, runtime, security, started_ray)
+    except BaseException:
+        if started_ray:  # the local instance goes with the server that could not start
+            import ray
+
+            ray.shutdown()
+        raise
+
+
+def _start(port: int, host: str, config: ServerConfig, count: int, runtime: str, security: ServerSecurity,
+           started_ray: bool) -> ShardedServerHandle:
     credentials = security.credentials()
     owned = None
     if not config.journal.directory:
@@ -139,12 +158,10 @@ def serve_sharded(port: int = 0, host: str = "127.0.0.1", config: ServerConfig |
     front = f"{front_host}:{bound}"
     key = config.sharding.key
     if runtime == "ray":
-        from twinstep.server.extras import RAY, require
         from twinstep.server.shards.runtime import RayShards
 
-        require(RAY, "a sharded server (--shards)")
         shard_set: Any = RayShards(count, key, front, config, host, security, config.sharding.ray_address,
-                                   config.sharding.ray_cpus)
+                                   started_ray)
     else:
         from twinstep.server.shards.runtime import InProcessShards
 

@@ -102,26 +102,38 @@ class InProcessShards:
                 server.stop(grace)
 
 
+def start_ray(address: str | None, cpus: int, shards: int) -> bool:
+    """Connect to ``address``'s Ray cluster, or start a local instance; True when this started one.
+
+    Called before anything of gRPC runs in this process: Ray starts its processes with a hook that runs in the
+    forked child, and a fork while gRPC's threads hold their locks can abort that child (seen as Ray's
+    start-up timing out, its dashboard process killed by SIGABRT).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry from a comparison server
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        return False
+    ray.init(num_cpus=cpus or max(os.cpu_count() or 1, shards), include_dashboard=False, namespace=NAMESPACE,
+             log_to_driver=False)
+    return True
+
+
 class RayShards:
-    """The shards as named Ray actors, restarted by Ray."""
+    """The shards as named Ray actors, restarted by Ray (Ray started first: start_ray)."""
 
     runtime = "ray"
 
     def __init__(self, count: int, key: str, front: str, config: ServerConfig, host: str,
-                 security: ServerSecurity | None, address: str | None = None, cpus: int = 0) -> None:
+                 security: ServerSecurity | None, address: str | None = None, started_ray: bool = False) -> None:
         import ray
 
         self._ray = ray
         self.count = count
-        self.started_ray = False
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry from a comparison server
-            if address:
-                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-            else:
-                ray.init(num_cpus=cpus or max(os.cpu_count() or 1, count), include_dashboard=False,
-                         namespace=NAMESPACE, log_to_driver=False)
-                self.started_ray = True
+        self.started_ray = started_ray
         actor = ray.remote(_ShardActor).options  # the class stays importable without Ray
         # On a cluster of its own the shards outlive a front that dies: named for the server's port, detached,
         # and found again by the next front on that port (its coordinator rebuilds its view from them).  A
