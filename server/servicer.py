@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import grpc
 
 from twinstep._version import PROTOCOL_VERSION
+from twinstep.server.alert.events import EventBus
 from twinstep.server.batches.service import BatchSyncService
 from twinstep.server.connection import Connection, StreamEnd, StreamFailure
 from twinstep.server.control.service import ZoomService
@@ -144,20 +145,8 @@ class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc
                 if not context.is_active() or self._stopping.is_set():
                     return
                 session = self.registry.wait_for(request.session, _POLL)
-        events = session.events.subscribe()
-        context.add_callback(lambda: events.put(None) if not events.full() else None)
-        try:
-            yield pb.Event(session=session.name, progress=session.progress())
-            while context.is_active() and not self._stopping.is_set():
-                try:
-                    event = events.get(timeout=_POLL)
-                except queue.Empty:
-                    continue
-                if event is None:
-                    return
-                yield event
-        finally:
-            session.events.unsubscribe(events)
+        yield from watch_events(session.events, pb.Event(session=session.name, progress=session.progress()), context,
+                                self._stopping)
 
     def GetReport(self, request: pb.ReportRequest, context: grpc.ServicerContext) -> pb.Report:
         caller = self.auth.authorize(context, "report", request.session)
@@ -194,6 +183,26 @@ class TwinstepServicer(BatchSyncService, ZoomService, WeightSyncService, pb_grpc
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session!r} on this server")
         runs = session.halt(request.reason or "halted by an operator")
         return pb.HaltResponse(runs=runs)
+
+
+def watch_events(bus: EventBus, first: pb.Event, context: grpc.ServicerContext,
+                 stopping: threading.Event) -> Iterator[pb.Event]:
+    """A Watch stream: ``first``, then ``bus``'s events until the watcher or the server goes (a sharded
+    server's front streams its coordinator's bus the same way)."""
+    events = bus.subscribe()
+    context.add_callback(lambda: events.put(None) if not events.full() else None)
+    try:
+        yield first
+        while context.is_active() and not stopping.is_set():
+            try:
+                event = events.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+            if event is None:
+                return
+            yield event
+    finally:
+        bus.unsubscribe(events)
 
 
 # -- registration -------------------------------------------------------------------------------

@@ -250,9 +250,15 @@ class Session:
         with self._lock:
             return views.metrics(self.core, self.held_bytes())
 
-    def read(self, query: Callable[[SessionCore], T]) -> T:
-        """``query`` of the core under the lock: for readers outside the server (a shard's digest)."""
-        return self._locked(lambda: query(self.core))
+    def shard_digest(self) -> dict:
+        """What a shard tells its coordinator of this session (twinstep.server.shards.digest), under the lock."""
+        from twinstep.server.shards.digest import of_core  # the shards package builds on this one
+
+        return self._locked(lambda: of_core(self.core))
+
+    def long_run_partials(self) -> dict[str, dict]:
+        """The long-run criteria's per-step sums over this server's ranks (a sharded session merges them)."""
+        return self._locked(self.core.pipeline.long_run.partials)
 
     def reach(self) -> "Reach":
         """Ask every open stream where its training is: the first step a command sent now reaches on all."""

@@ -11,7 +11,6 @@ token: each shard checks it again.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Any, Callable, Iterator
 
@@ -22,12 +21,12 @@ from twinstep.server.errors import InputError
 from twinstep.server.ingest.wire import parse_client_message
 from twinstep.server.runs.membership import check_hello
 from twinstep.server.security import Authorizer, Denied
+from twinstep.server.servicer import watch_events
 from twinstep.server.shards.coordinator import ShardCoordinator
 from twinstep.server.shards.ownership import shard_of
 from twinstep.v1 import twinstep_pb2 as pb
 
 logger = logging.getLogger("twinstep.server")
-_POLL = 0.5
 _SERVICE = pb.DESCRIPTOR.services_by_name["Twinstep"]
 #: Seconds the front waits for a restarting shard's address before telling the client to retry.
 _ADDRESS_WAIT = 5.0
@@ -133,20 +132,8 @@ class FrontServicer:
         self.auth.authorize(context, "watch", request.session)
         if not request.session:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "watch needs a session name")
-        events = self.coordinator.bus(request.session).subscribe()
-        context.add_callback(lambda: events.put(None) if not events.full() else None)
-        try:
-            yield pb.Event(session=request.session, progress=pb.Progress())
-            while context.is_active() and not self._stopping.is_set():
-                try:
-                    event = events.get(timeout=_POLL)
-                except queue.Empty:
-                    continue
-                if event is None:
-                    return
-                yield event
-        finally:
-            self.coordinator.bus(request.session).unsubscribe(events)
+        yield from watch_events(self.coordinator.bus(request.session),
+                                pb.Event(session=request.session, progress=pb.Progress()), context, self._stopping)
 
     # -- passed through to the shard that holds it -----------------------------------------------------
 

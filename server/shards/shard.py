@@ -26,7 +26,6 @@ from twinstep.server.config import ServerConfig
 from twinstep.server.report.builder import build_report
 from twinstep.server.security import ServerSecurity
 from twinstep.server.session import Session
-from twinstep.server.shards import digest
 from twinstep.server.shards.ownership import RankShare
 from twinstep.v1 import twinstep_pb2 as pb
 
@@ -120,7 +119,7 @@ class ShardServer:
             session = registry.get(name)
             if session is None:
                 continue
-            sessions[name] = {"digest": session.read(digest.of_core),
+            sessions[name] = {"digest": session.shard_digest(),
                               "progress": session.progress().SerializeToString()}
         with self._events_lock:
             events = [(seq, data) for seq, data in self._events if seq > after]
@@ -140,7 +139,7 @@ class ShardServer:
         found = registry.get(session)
         if found is not None:
             report = build_report(found.snapshot()).SerializeToString()
-            return {"report": report, "long_run": found.read(lambda core: core.pipeline.long_run.partials())}
+            return {"report": report, "long_run": found.long_run_partials()}
         archived = registry.archived_report(session)
         return None if archived is None else {"report": archived.SerializeToString(), "long_run": None}
 
